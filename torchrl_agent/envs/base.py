@@ -1,0 +1,254 @@
+"""The text environment base: one batched TorchRL ``EnvBase`` over plain-Python games.
+
+A :class:`TextGame` is one episode's rules, in plain Python with strings in and out. A
+:class:`TextEnv` steps a batch of ``num_groups * group_size`` games and speaks the data
+contract of ``DESIGN.md``:
+
+=====================  ===========  ==========================================================
+key                    shape        meaning
+=====================  ===========  ==========================================================
+``task``               ``[B]`` str  the episode's goal text
+``observation``        ``[B]`` str  the newest raw observation (no history, no template)
+``admissible_actions`` ``[B]`` str  newline-joined list, ``""`` when free-form
+``expert_action``      ``[B]`` str  a correct next action, ``""`` when no expert exists
+``task_type``          ``[B]`` str  a label for per-type metrics (``""`` when the env has one type)
+``anchor``             ``[B]``      int64 hash of the state for GiGPO grouping
+``step_count``         ``[B, 1]``   int64 steps taken in the episode
+``success``            ``[B, 1]``   bool, the episode is solved
+``reward``             ``[B, 1]``   float32
+``done``, ``terminated``, ``truncated``  ``[B, 1]`` bool, TorchRL conventions
+``action``             ``[B]`` str  the env command (input)
+=====================  ===========  ==========================================================
+
+Group seeding: the ``group_size`` games of a group start from the same seed, so they share
+their initial state. Training and evaluation seeds are disjoint: training episodes take even
+seeds drawn from the env's generator, evaluation episodes take the odd seeds of a fixed panel
+(episode ``j`` of the panel has seed ``2 * (base + j) + 1``), independent of the batch layout.
+
+A game that is already done ignores further actions: the batch can be stepped as a whole while
+the collector only generates for the games that still run.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import numpy as np
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
+from torchrl.envs import EnvBase
+
+__all__ = ["TextGame", "GameState", "TextEnv", "stable_hash"]
+
+#: The string keys a TextEnv writes at reset and step.
+TEXT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type")
+
+
+def stable_hash(text: str) -> int:
+    """A process-independent 63-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class GameState:
+    """What a game shows after a reset or a step."""
+
+    observation: str
+    task: str = ""
+    admissible_actions: tuple[str, ...] = ()
+    expert_action: str = ""
+    task_type: str = ""
+    anchor: str | None = None  # text that identifies the state; defaults to ``observation``
+
+
+class TextGame(abc.ABC):
+    """The rules of one episode, in plain Python.
+
+    Subclasses implement :meth:`reset` and :meth:`step`. Any string is a legal input to
+    :meth:`step`: an action the game does not understand is answered (usually as a no-op),
+    never raised on.
+    """
+
+    @abc.abstractmethod
+    def reset(self, seed: int) -> GameState:
+        """Start a new episode whose whole randomness derives from ``seed``."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        """Apply ``action``; return ``(state, reward, terminated, success)``."""
+
+
+class TextEnv(EnvBase):
+    """A batch of :class:`TextGame` s as one TorchRL environment.
+
+    Args:
+        game_factory: a callable returning a fresh :class:`TextGame`; called once per game.
+        num_groups: number of groups ``G``.
+        group_size: games per group ``n``; the batch size is ``[G * n]``.
+        max_steps: an episode is truncated after this many steps.
+        split: ``"train"`` (fresh even seeds every reset) or ``"eval"`` (the fixed odd panel).
+        seed: seeds the training seed generator, and offsets the evaluation panel.
+    """
+
+    batch_locked = True
+
+    def __init__(
+        self,
+        game_factory: Callable[[], TextGame],
+        *,
+        num_groups: int = 1,
+        group_size: int = 1,
+        max_steps: int = 50,
+        split: Literal["train", "eval"] = "train",
+        seed: int = 0,
+    ):
+        if num_groups < 1 or group_size < 1:
+            raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups}, {group_size}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        super().__init__(batch_size=torch.Size([num_groups * group_size]))
+        self.num_groups, self.group_size = num_groups, group_size
+        self.max_steps, self.split = max_steps, split
+        self.games = [game_factory() for _ in range(num_groups * group_size)]
+        self._episodes_started = 0  # groups started so far (the eval panel's cursor)
+        self._group_seeds = [0] * num_groups
+        self._step_count = np.zeros(self.batch_size[0], dtype=np.int64)
+        self._done = np.ones(self.batch_size[0], dtype=bool)
+        self._success = np.zeros(self.batch_size[0], dtype=bool)
+        self._states: list[GameState] = [GameState("")] * self.batch_size[0]
+        self._make_specs()
+        self.set_seed(seed)
+
+    # ------------------------------------------------------------------ specs
+    def _make_specs(self) -> None:
+        B = self.batch_size
+
+        def text():
+            return NonTensor(shape=B, example_data="", dtype=None)
+
+        self.observation_spec = Composite(
+            **{key: text() for key in TEXT_KEYS},
+            anchor=Unbounded(shape=B, dtype=torch.int64),
+            step_count=Bounded(low=0, high=self.max_steps, shape=(*B, 1), dtype=torch.int64),
+            success=Categorical(2, shape=(*B, 1), dtype=torch.bool),
+            shape=B,
+        )
+        self.action_spec = NonTensor(shape=B, example_data="", dtype=None)
+        self.reward_spec = Unbounded(shape=(*B, 1), dtype=torch.float32)
+        self.done_spec = Composite(
+            {key: Categorical(2, shape=(*B, 1), dtype=torch.bool) for key in ("done", "terminated", "truncated")},
+            shape=B,
+        )
+
+    # ------------------------------------------------------------------ seeding
+    def _set_seed(self, seed: int | None) -> None:
+        self._base_seed = int(seed or 0)
+        self._rng = np.random.default_rng(self._base_seed)
+        self._episodes_started = 0
+
+    def _next_group_seed(self) -> int:
+        if self.split == "eval":
+            seed = 2 * (self._base_seed + self._episodes_started) + 1
+        else:
+            seed = 2 * int(self._rng.integers(0, 2**40))
+        self._episodes_started += 1
+        return seed
+
+    def group_of(self, index: int) -> int:
+        """The group of game ``index`` (games ``g*n .. g*n+n-1`` form group ``g``)."""
+        return index // self.group_size
+
+    @property
+    def group_seeds(self) -> list[int]:
+        """The seed each group's current episode started from."""
+        return list(self._group_seeds)
+
+    # ------------------------------------------------------------------ reset / step
+    def _reset(self, tensordict: TensorDictBase | None = None, **kwargs) -> TensorDictBase:
+        n = self.batch_size[0]
+        mask = np.ones(n, dtype=bool)
+        if tensordict is not None and "_reset" in tensordict.keys():
+            mask = tensordict.get("_reset").reshape(n).cpu().numpy().astype(bool)
+        for g in range(self.num_groups):
+            members = slice(g * self.group_size, (g + 1) * self.group_size)
+            if mask[members].all():  # a whole group restarts on a new task
+                self._group_seeds[g] = self._next_group_seed()
+            for i in np.flatnonzero(mask[members]) + g * self.group_size:
+                self._states[i] = self.games[i].reset(self._group_seeds[g])
+                self._step_count[i] = 0
+                self._done[i] = False
+                self._success[i] = False
+        td = self._observation_td(None, np.zeros(n, dtype=bool), np.zeros(n, dtype=bool))
+        return td
+
+    def _step(self, tensordict: TensorDictBase) -> TensorDictBase:
+        n = self.batch_size[0]
+        actions = _as_str_list(tensordict.get("action"), n)
+        reward = np.zeros(n, dtype=np.float32)
+        terminated = np.zeros(n, dtype=bool)
+        truncated = np.zeros(n, dtype=bool)
+        for i in range(n):
+            if self._done[i]:  # finished earlier: the action is ignored, the state kept
+                terminated[i] = True
+                continue
+            state, r, term, success = self.games[i].step(actions[i])
+            self._states[i] = state
+            self._step_count[i] += 1
+            reward[i] = r
+            self._success[i] = bool(success)
+            terminated[i] = bool(term)
+            truncated[i] = not term and self._step_count[i] >= self.max_steps
+            self._done[i] = terminated[i] or truncated[i]
+        return self._observation_td(reward, terminated, truncated)
+
+    def _observation_td(self, reward, terminated, truncated) -> TensorDictBase:
+        B = self.batch_size
+        states = self._states
+        td = TensorDict(
+            {
+                "task": [s.task for s in states],
+                "observation": [s.observation for s in states],
+                "admissible_actions": ["\n".join(s.admissible_actions) for s in states],
+                "expert_action": [s.expert_action for s in states],
+                "task_type": [s.task_type for s in states],
+                "anchor": torch.tensor(
+                    [stable_hash(s.observation if s.anchor is None else s.anchor) for s in states],
+                    dtype=torch.int64,
+                ),
+                "step_count": torch.from_numpy(self._step_count.copy()).unsqueeze(-1),
+                "success": torch.from_numpy(self._success.copy()).unsqueeze(-1),
+                "terminated": torch.from_numpy(terminated).unsqueeze(-1),
+                "truncated": torch.from_numpy(truncated).unsqueeze(-1),
+                "done": torch.from_numpy(terminated | truncated).unsqueeze(-1),
+            },
+            batch_size=B,
+        )
+        if reward is not None:  # reset returns no reward (TorchRL convention)
+            td.set("reward", torch.from_numpy(reward).unsqueeze(-1))
+        return td
+
+    @property
+    def running(self) -> torch.Tensor:
+        """Bool mask ``[B]`` of the games whose episode is still running."""
+        return torch.from_numpy(~self._done)
+
+
+def _as_str_list(value, n: int) -> list[str]:
+    """Read the ``action`` entry as ``n`` Python strings; anything else becomes ``""``."""
+    if value is None:
+        return [""] * n
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, str):
+        value = [value] * n
+    out = [v if isinstance(v, str) else "" for v in list(value)]
+    if len(out) != n:
+        raise ValueError(f"expected {n} actions, got {len(out)}")
+    return out

@@ -1,0 +1,54 @@
+"""NumberLine (Gym Cards) as text: walk a marker to a target on the line ``0..max_position``.
+
+Rules (``ALGORITHMS.md``): actions ``-`` and ``+``; reward +1 on reaching the target (the
+episode ends, solved), -1 for a step that does not get closer, 0 otherwise; 10 steps at most.
+Any other action is a no-op (so it does not get closer: -1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+
+__all__ = ["NumberLineGame", "NumberLineEnv"]
+
+
+class NumberLineGame(TextGame):
+    """One NumberLine episode. Start and target are distinct positions drawn from the seed."""
+
+    ACTIONS = ("-", "+")
+
+    def __init__(self, max_position: int = 5):
+        self.max_position = max_position
+        self.position = self.target = 0
+
+    def reset(self, seed: int) -> GameState:
+        rng = np.random.default_rng(seed)
+        self.target, self.position = (int(x) for x in rng.choice(self.max_position + 1, size=2, replace=False))
+        return self._state()
+
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        before = abs(self.position - self.target)
+        move = {"-": -1, "+": 1}.get(action.strip(), 0)
+        self.position = min(max(self.position + move, 0), self.max_position)
+        after = abs(self.position - self.target)
+        if after == 0:
+            return self._state(), 1.0, True, True
+        return self._state(), (0.0 if after < before else -1.0), False, False
+
+    def _state(self) -> GameState:
+        expert = "+" if self.target > self.position else "-" if self.target < self.position else ""
+        return GameState(
+            observation=f"Position: {self.position}. Target: {self.target}.",
+            task=f"Move the marker along the number line 0..{self.max_position} until it reaches the target.",
+            admissible_actions=self.ACTIONS,
+            expert_action=expert,
+        )
+
+
+class NumberLineEnv(TextEnv):
+    """A batch of NumberLine games. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
+
+    def __init__(self, *, max_position: int = 5, max_steps: int = 10, **kwargs):
+        super().__init__(lambda: NumberLineGame(max_position), max_steps=max_steps, **kwargs)
