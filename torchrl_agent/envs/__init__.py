@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame, stable_hash
 from torchrl_agent.envs.numberline import NumberLineEnv, NumberLineGame
@@ -35,13 +35,22 @@ def register_env(name: str, constructor: Callable[..., TextEnv]) -> None:
     ENV_REGISTRY[name] = constructor
 
 
-def make_env(name: str, *, num_groups: int = 1, group_size: int = 1, seed: int = 0, **kwargs) -> TextEnv:
+def make_env(
+    name: str, *, num_groups: int = 1, group_size: int = 1, seed: int = 0, num_workers: int = 0, **kwargs
+) -> TextEnv:
     """Create the environment ``name`` with batch size ``[num_groups * group_size]``.
 
-    Keyword arguments go to the environment (``max_steps``, ``split="eval"``, ...).
+    Keyword arguments go to the environment (``max_steps``, ``split="eval"``, ...). With
+    ``num_workers > 0`` the games step in that many processes
+    (:class:`~torchrl_agent.envs.workers.ParallelTextEnv`, same keys plus ``worker_fault``).
     """
     if name not in ENV_REGISTRY:
         raise KeyError(f"unknown environment {name!r}; known: {sorted(ENV_REGISTRY)}")
+    if num_workers:
+        from torchrl_agent.envs.workers import ParallelTextEnv
+
+        return ParallelTextEnv(name, num_workers=num_workers, num_groups=num_groups, group_size=group_size,
+                               seed=seed, **kwargs)
     constructor = ENV_REGISTRY[name]
     if isinstance(constructor, str):
         module, attribute = constructor.split(":")

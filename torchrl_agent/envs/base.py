@@ -33,8 +33,9 @@ from __future__ import annotations
 
 import abc
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 from torchrl.envs import EnvBase
 
-__all__ = ["TextGame", "GameState", "TextEnv", "stable_hash"]
+__all__ = ["TextGame", "GameState", "TextEnv", "clean_text", "stable_hash"]
 
 #: The string keys a TextEnv writes at reset and step.
 TEXT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type")
@@ -52,6 +53,13 @@ def stable_hash(text: str) -> int:
     """A process-independent 63-bit hash of ``text`` (Python's ``hash`` is salted per process)."""
     digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def clean_text(text) -> str:
+    """``text`` as valid UTF-8 (lone surrogates become ``?``); a non-string becomes ``""``."""
+    if not isinstance(text, str):
+        return ""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 @dataclass
@@ -248,7 +256,7 @@ def _as_str_list(value, n: int) -> list[str]:
         value = value.tolist()
     if isinstance(value, str):
         value = [value] * n
-    out = [v if isinstance(v, str) else "" for v in list(value)]
+    out = [clean_text(v) for v in list(value)]
     if len(out) != n:
         raise ValueError(f"expected {n} actions, got {len(out)}")
     return out

@@ -1,0 +1,99 @@
+"""The step collector: rows per the data contract, no rows for finished envs, determinism."""
+
+from __future__ import annotations
+
+import torch
+from torchrl.envs import Compose, TransformedEnv
+
+from torchrl_agent.collectors import StepCollector, episode_metrics
+from torchrl_agent.envs import make_env
+from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
+from torchrl_agent.modules import Generation, LLMPolicy, TransformersPolicy
+
+
+def make(tokenizer, num_groups=2, group_size=3, max_steps=6):
+    return TransformedEnv(make_env("numberline", num_groups=num_groups, group_size=group_size, max_steps=max_steps),
+                          Compose(WindowMemory(2), PromptTransform(tokenizer, "numberline"), ActionProjection()))
+
+
+class ExpertOrJunk(LLMPolicy):
+    """A scripted policy (``responses(prompt) -> text``); the environments, transforms and
+    collector are real."""
+
+    def __init__(self, tokenizer, responses):
+        super().__init__(tokenizer)
+        self.responses = responses
+
+    def generate(self, prompts):
+        out = []
+        for p in prompts:
+            text = self.responses(p)
+            out.append(Generation(self.encode(p), self.encode(text), [0.0] * len(self.encode(text)), text))
+        return out
+
+
+def expert_text(prompt):
+    pos = int(prompt.split("Position: ")[-1].split(".")[0])
+    target = int(prompt.split("Target: ")[-1].split(".")[0])
+    return f"<think>t</think><action>{'+' if target > pos else '-'}</action>"
+
+
+def test_rows_follow_the_data_contract(tiny_model, tokenizer):
+    collector = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=8), seed=3)
+    rows = collector.collect()
+    n = rows.batch_size[0]
+    for key in ("task", "observation", "admissible_actions", "anchor", "memory", "step_count", "action",
+                "action_valid", "reward", "done", "terminated", "truncated", "success", "group_id", "traj_id",
+                ("text", "prompt"), ("text", "response"), ("tokens", "prompt"), ("tokens", "response"),
+                ("log_probs", "response")):
+        assert key in rows.keys(True), key
+    assert rows["reward"].shape == (n, 1) and rows["action_valid"].dtype == torch.bool
+    # one row per step: every trajectory has steps 0..len-1 and ends with exactly one done row
+    for traj in rows["traj_id"].unique():
+        mine = rows["traj_id"] == traj
+        steps = rows["step_count"].reshape(-1)[mine]
+        assert steps.tolist() == list(range(int(mine.sum())))
+        assert rows["done"].reshape(-1)[mine].tolist() == [False] * (int(mine.sum()) - 1) + [True]
+        assert len(rows["group_id"][mine].unique()) == 1
+    assert rows["group_id"].unique().tolist() == [0, 1]
+    assert collector.stats["env_steps"] == n
+    # the next batch gets new ids
+    second = collector.collect()
+    assert second["group_id"].min() == 2 and second["traj_id"].min() == 6
+
+
+def test_finished_environments_take_no_generation_slot(tokenizer):
+    # the expert solves episodes of different lengths: the short ones finish first
+    policy = ExpertOrJunk(tokenizer, expert_text)
+    rows = StepCollector(make(tokenizer, 1, 4, max_steps=6), policy, seed=0).collect()
+    metrics = episode_metrics(rows)
+    assert metrics["success"] == 1.0 and metrics["action_valid"] == 1.0
+    lock = StepCollector(make(tokenizer, 1, 4, max_steps=6), policy, seed=0, lockstep=True)
+    lock_rows = lock.collect()
+    free = StepCollector(make(tokenizer, 1, 4, max_steps=6), policy, seed=0)
+    free_rows = free.collect()
+    assert lock_rows.batch_size == free_rows.batch_size  # same rows either way
+    assert free.stats["generation_slots"] == free_rows.batch_size[0]
+    assert lock.stats["generation_slots"] == 4 * int(lock_rows["step_count"].max() + 1)
+
+
+def test_malformed_outputs_become_invalid_actions(tokenizer):
+    junk = ["", "no tags", "x" * 20_000, b"<think>\xff</think><action>\xc3\x28</action>".decode("utf-8", "replace"),
+            "<think>t</think><action>" + "\x00" * 5 + "</action>"]
+    state = {"i": 0}
+
+    def responses(prompt):
+        state["i"] += 1
+        return junk[state["i"] % len(junk)]
+
+    rows = StepCollector(make(tokenizer, 1, 5, max_steps=4), ExpertOrJunk(tokenizer, responses), seed=0).collect()
+    assert rows.batch_size[0] == 5 * 4  # every episode ran to its step limit, nothing crashed
+    assert not rows["action_valid"][:, 0].all()
+    assert rows["truncated"].reshape(-1).sum() == 5
+
+
+def test_collection_is_deterministic_for_a_seed(tiny_model, tokenizer):
+    a = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=6), seed=5).collect()
+    b = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=6), seed=5).collect()
+    assert list(a["text", "response"]) == list(b["text", "response"])
+    assert torch.equal(a["reward"], b["reward"])

@@ -1,0 +1,55 @@
+"""The offline models: the tiny model is deterministic, cached and loads as a normal HF folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+
+
+def test_tiny_model_loads_offline_in_a_fresh_process(tiny_path):
+    code = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "p = sys.argv[1]\n"
+        "tok = AutoTokenizer.from_pretrained(p); m = AutoModelForCausalLM.from_pretrained(p)\n"
+        "ids = tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True)\n"
+        "ids = ids['input_ids'] if hasattr(ids, 'keys') else ids\n"
+        "out = m(torch.tensor([ids])).logits\n"
+        "print(type(m).__name__, out.shape[-1], len(tok))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-c", code, str(tiny_path)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    name, vocab, tok_len = result.stdout.split()[-3:]
+    assert name == "Qwen2ForCausalLM"
+    assert int(vocab) == int(tok_len)
+
+
+def test_tiny_model_is_cached_and_deterministic(tiny_path, tmp_path, monkeypatch):
+    from torchrl_agent.models import build_tiny_model
+
+    assert build_tiny_model(seed=0) == tiny_path  # cached: the same folder, not rebuilt
+    monkeypatch.setenv("TORCHRL_AGENT_CACHE", str(tmp_path))
+    rebuilt = build_tiny_model(seed=0)
+    assert rebuilt != tiny_path and rebuilt.name == tiny_path.name  # same recipe hash elsewhere
+    a, b = load_file(tiny_path / "model.safetensors"), load_file(rebuilt / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tiny_path / "tokenizer.json").read_text()) == json.loads((rebuilt / "tokenizer.json").read_text())
+    other = load_file(build_tiny_model(seed=1) / "model.safetensors")
+    assert not all(torch.equal(a[k], other[k]) for k in a)
+
+
+def test_tiny_tokenizer_chat_template_and_any_text(tokenizer):
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Position: 3. Target: 1."}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_start|>assistant\n")
+    for sample in ["<think>x</think><action>+</action>", "déjà vu 漢字 \x00\x07", "x" * 500]:
+        ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
+        assert tokenizer.decode(ids) == sample  # byte-level BPE: every string round-trips
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"

@@ -1,0 +1,277 @@
+"""Any Gymnasium environment as a :class:`~torchrl_agent.envs.base.TextGame`, and BabyAI through it.
+
+:class:`GymnasiumTextGame` wraps a Gymnasium env with two functions: ``render_observation(obs) ->
+str`` (what the agent reads) and ``parse_action(text) -> action | None`` (what the env receives).
+``TextEnv(lambda: GymnasiumTextGame(...))`` then gives a batched TorchRL env::
+
+    game = lambda: GymnasiumTextGame(
+        lambda: gymnasium.make("FrozenLake-v1"),
+        render_observation=lambda obs: f"You are on cell {obs}.",
+        parse_action={"left": 0, "down": 1, "right": 2, "up": 3}.get,
+        admissible_actions=("left", "down", "right", "up"),
+        task="Reach the goal without falling into a hole.",
+    )
+    env = TextEnv(game, num_groups=2, group_size=4, max_steps=20)
+
+Conventions:
+
+* **invalid actions**: when ``parse_action`` returns None (or raises), the Gymnasium env is *not*
+  stepped: the game answers with the unchanged observation, the reward ``invalid_action_reward``
+  (default 0.0), not terminated. The step still counts toward the :class:`TextEnv` ``max_steps``.
+* **seeding**: ``reset(seed)`` calls ``env.reset(seed=seed)``; the whole episode derives from it.
+* **success**: ``success_fn(reward, terminated, info)``, by default ``terminated and reward > 0``.
+* **truncation**: a :class:`TextGame` has no truncation channel, so a Gymnasium ``truncated``
+  ends the game as terminated (unsolved). Set the :class:`TextEnv` ``max_steps`` below the
+  Gymnasium time limit (or lift that limit) to get TorchRL's ``truncated`` flag instead; the
+  BabyAI env below does so.
+* **expert**: override :meth:`GymnasiumTextGame.expert_reset` / :meth:`expert_step`, or pass
+  ``expert_fn(env, obs) -> str`` (called after every reset and env step).
+* **task**: a string, or ``task(obs) -> str`` evaluated at reset.
+
+:class:`BabyAIEnv` (registered as ``babyai``) ships the BabyAI levels of the PyPI package
+``minigrid`` (no download: levels are procedurally generated) with a text view of the agent's 7x7
+egocentric observation and the BabyAI bot (``minigrid.utils.baby_ai_bot.BabyAIBot``) as the expert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+
+__all__ = ["GymnasiumTextGame", "BabyAIGame", "BabyAIEnv", "render_babyai"]
+
+
+class GymnasiumTextGame(TextGame):
+    """One episode of a Gymnasium env, in text.
+
+    Args:
+        env_factory: returns a fresh ``gymnasium.Env`` (called once, in the constructor).
+        render_observation: ``obs -> str``, the observation text.
+        parse_action: ``str -> action | None``; None (or an exception) marks the text invalid.
+        admissible_actions: the action texts to show (``()`` for free-form).
+        task: the goal text, or ``obs -> str`` evaluated at reset.
+        task_type: the label for per-type metrics.
+        expert_fn: ``(env, obs) -> str``, the expert's next action text, or None for no expert.
+        success_fn: ``(reward, terminated, info) -> bool``; default ``terminated and reward > 0``.
+        invalid_action_reward: the reward of a step whose text does not parse.
+    """
+
+    def __init__(
+        self,
+        env_factory: Callable[[], Any],
+        render_observation: Callable[[Any], str],
+        parse_action: Callable[[str], Any],
+        *,
+        admissible_actions: tuple[str, ...] = (),
+        task: str | Callable[[Any], str] = "",
+        task_type: str = "",
+        expert_fn: Callable[[Any, Any], str] | None = None,
+        success_fn: Callable[[float, bool, dict], bool] | None = None,
+        invalid_action_reward: float = 0.0,
+    ):
+        if not callable(render_observation) or not callable(parse_action):
+            raise TypeError("render_observation and parse_action must be callables")
+        self.env = env_factory()
+        self.render_observation, self.parse_action = render_observation, parse_action
+        self.admissible_actions, self.task, self.task_type = tuple(admissible_actions), task, task_type
+        self.expert_fn, self.invalid_action_reward = expert_fn, float(invalid_action_reward)
+        self.success_fn = success_fn or (lambda reward, terminated, info: bool(terminated and reward > 0))
+        self.obs: Any = None
+        self._task_text = task if isinstance(task, str) else ""
+        self._expert = ""
+
+    # -------------------------------------------------------------- expert hooks
+    def expert_reset(self) -> str:
+        """The expert's first action after a reset (``""`` when there is no expert)."""
+        return self.expert_fn(self.env, self.obs) if self.expert_fn is not None else ""
+
+    def expert_step(self, action: Any) -> str:
+        """The expert's next action after the env took ``action``."""
+        return self.expert_fn(self.env, self.obs) if self.expert_fn is not None else ""
+
+    # -------------------------------------------------------------- TextGame
+    def reset(self, seed: int) -> GameState:
+        self.obs, _ = self.env.reset(seed=int(seed))
+        self._task_text = self.task if isinstance(self.task, str) else str(self.task(self.obs))
+        self._expert = self.expert_reset()
+        return self._state()
+
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        try:
+            parsed = self.parse_action(action) if isinstance(action, str) else None
+        except Exception:  # a parser that chokes on odd text: the text is invalid, not the program
+            parsed = None
+        if parsed is None:
+            return self._state(), self.invalid_action_reward, False, False
+        self.obs, reward, terminated, truncated, info = self.env.step(parsed)
+        success = bool(self.success_fn(float(reward), bool(terminated), info))
+        self._expert = "" if (terminated or truncated) else self.expert_step(parsed)
+        return self._state(), float(reward), bool(terminated or truncated), success
+
+    def _state(self) -> GameState:
+        return GameState(
+            observation=self.render_observation(self.obs),
+            task=self._task_text,
+            admissible_actions=self.admissible_actions,
+            expert_action=self._expert,
+            task_type=self.task_type,
+        )
+
+
+# ---------------------------------------------------------------------------------------- BabyAI
+#: action text -> MiniGrid action index (``minigrid.core.actions.Actions``)
+BABYAI_ACTIONS = {"turn left": 0, "turn right": 1, "go forward": 2, "pick up": 3, "drop": 4, "toggle": 5, "done": 6}
+_ALIASES = {"left": 0, "right": 1, "forward": 2, "move forward": 2, "pickup": 3, "pick up the object": 3,
+            "open": 5}
+_ACTION_NAMES = {v: k for k, v in BABYAI_ACTIONS.items()}
+_DIRECTIONS = ("east", "south", "west", "north")
+# minigrid.core.constants, copied so rendering needs no import
+_OBJECTS = ("unseen", "empty", "wall", "floor", "door", "key", "ball", "box", "goal", "lava", "agent")
+_COLORS = ("red", "green", "blue", "purple", "yellow", "grey")
+_DOOR_STATES = ("open", "closed", "locked")
+
+
+def parse_babyai_action(text: str) -> int | None:
+    """``"turn left"`` ... ``"done"`` (or the short MiniGrid names) to the action index, else None."""
+    key = " ".join(text.strip().lower().split())
+    return BABYAI_ACTIONS.get(key, _ALIASES.get(key))
+
+
+def _steps(n: int, word: str) -> str:
+    return f"{n} step{'s' if n != 1 else ''} {word}"
+
+
+def render_babyai(obs: dict) -> str:
+    """Describe a MiniGrid observation dict (``image`` 7x7x3 egocentric, ``direction``) in words.
+
+    The agent stands at the bottom centre of its view, looking up the view (``forward``). Objects
+    are listed with their offsets ("2 steps forward, 1 step left"); walls only along the three
+    lines the agent can act on (ahead, to its left, to its right).
+    """
+    image = np.asarray(obs["image"])
+    width, height = image.shape[:2]
+    ax, ay = width // 2, height - 1
+
+    def name(cell) -> str:
+        kind, color, state = (int(v) for v in cell)
+        kind_name = _OBJECTS[kind] if 0 <= kind < len(_OBJECTS) else "object"
+        color_name = _COLORS[color] if 0 <= color < len(_COLORS) else ""
+        if kind_name == "door":
+            return f"{_DOOR_STATES[state] if 0 <= state < 3 else ''} {color_name} door".strip()
+        if kind_name in ("goal", "lava", "wall"):
+            return kind_name
+        return f"{color_name} {kind_name}".strip()
+
+    lines = [f"You are facing {_DIRECTIONS[int(obs['direction']) % 4]}."]
+    carried = _OBJECTS[int(image[ax, ay, 0])]
+    lines.append(f"You are carrying a {name(image[ax, ay])}." if carried not in ("empty", "unseen", "agent")
+                 else "You are carrying nothing.")
+    seen = []
+    for y in range(height - 1, -1, -1):
+        for x in range(width):
+            if (x, y) == (ax, ay):
+                continue
+            kind = _OBJECTS[int(image[x, y, 0])] if int(image[x, y, 0]) < len(_OBJECTS) else "object"
+            if kind in ("unseen", "empty", "wall", "floor", "agent"):
+                continue
+            forward, right = ay - y, x - ax
+            where = [_steps(forward, "forward")] if forward else []
+            if right:
+                where.append(_steps(abs(right), "right" if right > 0 else "left"))
+            seen.append(f"a {name(image[x, y])} {', '.join(where)}")
+    lines.append(("You see " + "; ".join(seen) + ".") if seen else "You see no objects.")
+
+    def free_run(cells) -> str:
+        count = 0
+        for x, y in cells:
+            kind = _OBJECTS[int(image[x, y, 0])] if int(image[x, y, 0]) < len(_OBJECTS) else "object"
+            if kind == "unseen":
+                return f"{count}+ free"
+            if kind not in ("empty", "floor", "goal") and not (kind == "door" and int(image[x, y, 2]) == 0):
+                return f"{count} free, then a {name(image[x, y])}"
+            count += 1
+        return f"{count}+ free"
+
+    ahead = free_run([(ax, y) for y in range(ay - 1, -1, -1)])
+    left = free_run([(x, ay) for x in range(ax - 1, -1, -1)])
+    right = free_run([(x, ay) for x in range(ax + 1, width)])
+    lines.append(f"Cells ahead: {ahead}. To your left: {left}. To your right: {right}.")
+    return " ".join(lines)
+
+
+class BabyAIGame(GymnasiumTextGame):
+    """One BabyAI episode; ``expert_action`` comes from the BabyAI bot.
+
+    Args:
+        level: a registered BabyAI level id, e.g. ``"BabyAI-GoToLocal-v0"``.
+        gym_max_steps: the level's own time limit (set high so that :class:`TextEnv` truncates first).
+        expert: run the bot (it costs a BFS per step).
+    """
+
+    def __init__(self, level: str = "BabyAI-GoToLocal-v0", gym_max_steps: int = 10_000, expert: bool = True):
+        import gymnasium
+        import minigrid  # noqa: F401  (registers the BabyAI levels)
+
+        self.use_expert = expert
+        self._bot = None
+        super().__init__(
+            lambda: gymnasium.make(level, max_steps=gym_max_steps, disable_env_checker=True),
+            render_babyai,
+            parse_babyai_action,
+            admissible_actions=tuple(BABYAI_ACTIONS),
+            task=lambda obs: str(obs["mission"]),
+            task_type=level,
+        )
+
+    def reset(self, seed: int) -> GameState:
+        with contextlib.redirect_stdout(io.StringIO()):  # minigrid prints when it redraws a level
+            return super().reset(seed)
+
+    def expert_reset(self) -> str:
+        self._bot = None
+        if not self.use_expert:
+            return ""
+        from minigrid.utils.baby_ai_bot import BabyAIBot
+
+        try:
+            self._bot = BabyAIBot(self.env)
+            return _ACTION_NAMES[int(self._bot.replan())]
+        except Exception:  # the bot cannot handle this mission: no expert for the episode
+            self._bot = None
+            return ""
+
+    def expert_step(self, action: Any) -> str:
+        if self._bot is None:
+            return ""
+        try:
+            return _ACTION_NAMES[int(self._bot.replan(action))]
+        except Exception:  # the bot gave up (e.g. the agent destroyed a needed object)
+            self._bot = None
+            return ""
+
+
+class BabyAIEnv(TextEnv):
+    """A batch of BabyAI episodes. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys.
+
+    Args:
+        level: the BabyAI level id (default ``"BabyAI-GoToLocal-v0"``: one 8x8 room, go to an object among
+            distractors).
+        expert: fill ``expert_action`` from the BabyAI bot (default True).
+        max_steps: steps per episode (default 64).
+    """
+
+    def __init__(self, *, level: str = "BabyAI-GoToLocal-v0", expert: bool = True, max_steps: int = 64, **kwargs):
+        try:
+            import gymnasium
+            import minigrid  # noqa: F401
+        except ImportError as err:  # pragma: no cover - depends on the install
+            raise ImportError("the babyai env needs the PyPI package 'minigrid' (pip install minigrid)") from err
+        if level not in gymnasium.registry:
+            raise ValueError(f"unknown BabyAI level {level!r}; e.g. 'BabyAI-GoToLocal-v0'")
+        super().__init__(lambda: BabyAIGame(level, max(10 * max_steps, 1000), expert), max_steps=max_steps, **kwargs)

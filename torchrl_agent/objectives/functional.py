@@ -1,0 +1,421 @@
+"""Functional advantage estimators for LLM agents (GiGPO, GRPO, RLOO, REINFORCE++).
+
+Every function takes one entry per **row** (one environment step of one trajectory), in any
+order, and is fully vectorised: groups, anchor groups and trajectories are handled with
+``unique`` / ``bincount`` / ``scatter_add`` / ``scatter_reduce`` tensor ops, never with a Python
+loop over rows or groups. The semantics are the reference ones stated in ``ALGORITHMS.md``:
+
+- statistics are taken over **rows** (a longer trajectory weighs more in its group);
+- a normalisation set of one row has mean 0 and std 1;
+- the std is the unbiased (Bessel) one;
+- a set whose values are all equal (up to the rounding of ``reward``'s dtype) gives exactly 0,
+  unlike the float32 reference, whose rounding noise divided by ``std + 1e-6`` gives spurious
+  advantages;
+- the invalid-action penalty ``c`` is applied to a row's own score and step return, after
+  discounting.
+
+Statistics are accumulated in float64 whatever the input dtype; the output has the dtype of
+``reward`` (float64 in, float64 out; float32 in, float32 out).
+"""
+
+from __future__ import annotations
+
+from difflib import SequenceMatcher
+from typing import Literal
+
+import torch
+
+__all__ = [
+    "episode_scores",
+    "group_normalize",
+    "discounted_step_returns",
+    "gigpo_advantage",
+    "grpo_advantage",
+    "rloo_advantage",
+    "reinforce_pp_advantage",
+    "similarity_anchor_ids",
+]
+
+Norm = Literal["mean_std", "mean"]
+_NORMS = ("mean_std", "mean")
+
+
+# --------------------------------------------------------------------------- input checks
+def _as_1d(name: str, x: torch.Tensor | None, n: int | None = None) -> torch.Tensor | None:
+    """Accepts ``[N]`` or ``[N, 1]`` and returns ``[N]``; raises a clear error otherwise."""
+    if x is None:
+        return None
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"`{name}` must be a torch.Tensor, got {type(x).__name__}.")
+    if x.ndim == 2 and x.shape[-1] == 1:
+        x = x.squeeze(-1)
+    if x.ndim != 1:
+        raise ValueError(f"`{name}` must have shape [N] or [N, 1], got {tuple(x.shape)}.")
+    if n is not None and x.shape[0] != n:
+        raise ValueError(f"`{name}` has {x.shape[0]} rows, expected {n} (the number of rows of `reward`).")
+    return x
+
+
+def _check_reward(reward: torch.Tensor) -> torch.Tensor:
+    reward = _as_1d("reward", reward)
+    if not reward.is_floating_point():
+        raise TypeError(f"`reward` must be a floating-point tensor, got {reward.dtype}.")
+    return reward
+
+
+def _check_ids(name: str, x: torch.Tensor, n: int) -> torch.Tensor:
+    x = _as_1d(name, x, n)
+    if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
+        raise TypeError(f"`{name}` must be an integer tensor (int64), got {x.dtype}.")
+    return x.long()
+
+
+def _check_valid(valid: torch.Tensor | None, n: int, device) -> torch.Tensor:
+    if valid is None:
+        return torch.ones(n, dtype=torch.bool, device=device)
+    valid = _as_1d("valid", valid, n)
+    if valid.is_floating_point():
+        return valid != 0
+    return valid.bool()
+
+
+def _check_norm(norm: str) -> None:
+    if norm not in _NORMS:
+        raise ValueError(f"`norm` must be one of {_NORMS}, got {norm!r}.")
+
+
+def _acc_dtype(reward: torch.Tensor) -> torch.dtype:
+    # float64 accumulation whatever the input; float64 is unavailable on some accelerators (mps).
+    return torch.float32 if reward.device.type == "mps" else torch.float64
+
+
+def _dense_1d(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Maps int ids [N] to dense ids ``0..K-1`` (sorted order); returns (inverse [N], K).
+
+    Small id ranges use a ``bincount`` remap (O(N + range)); others (e.g. 64-bit hashes) ``unique``.
+    """
+    n = x.numel()
+    if n == 0:
+        return x.long(), 0
+    lo, hi = int(x.min()), int(x.max())
+    if hi - lo + 1 <= 2 * n + 1024:
+        shifted = x - lo
+        remap = torch.cumsum(torch.bincount(shifted, minlength=hi - lo + 1) > 0, 0) - 1
+        return remap.index_select(0, shifted), int(remap[-1]) + 1
+    uniq, inverse = torch.unique(x, return_inverse=True)
+    return inverse, uniq.numel()
+
+
+def _dense_ids(*ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense ids of one id or of a tuple of ids taken row-wise (lexicographic); (inverse [N], K)."""
+    inverse, k = _dense_1d(ids[0])
+    for other in ids[1:]:
+        inv2, k2 = _dense_1d(other)
+        inverse, k = _dense_1d(inverse * k2 + inv2)
+    return inverse, k
+
+
+def _pair_ids(ginv: torch.Tensor, kg: int, anchor: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Dense ids of the (group, anchor) pairs; fast when no anchor value is shared by two groups."""
+    ainv, ka = _dense_1d(anchor)
+    lo = torch.full((ka,), kg, dtype=ginv.dtype, device=ginv.device).scatter_reduce_(0, ainv, ginv, "amin")
+    hi = torch.full((ka,), -1, dtype=ginv.dtype, device=ginv.device).scatter_reduce_(0, ainv, ginv, "amax")
+    if bool((lo == hi).all()):  # every anchor value lives in one group: the anchor alone is the key
+        return ainv, ka
+    return _dense_1d(ginv * ka + ainv)
+
+
+def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None):
+    """:func:`group_normalize` on dense ids ``inv`` [N] in ``0..k-1``; ``x`` in the accumulation dtype."""
+    ulp = 4 * torch.finfo(value_dtype or x.dtype).eps
+    zeros = torch.zeros(k, dtype=x.dtype, device=x.device)
+    count = torch.bincount(inv, minlength=k).to(x.dtype)
+    single = count == 1
+    mean = torch.where(single, 0.0, zeros.scatter_add(0, inv, x) / count)
+    # all-equal sets (of >= 2 rows) give exactly 0, whatever the rounding of the mean: a set is
+    # all-equal when max - min is within a few ulps (of the values' dtype) of its magnitude
+    gmax = torch.full((k,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amax")
+    gmin = torch.full((k,), torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amin")
+    all_equal = (gmax - gmin) <= ulp * torch.maximum(gmax.abs(), gmin.abs())
+    zero_set = (all_equal & ~single) | (single & singleton_zero)
+    dev = torch.where(zero_set.index_select(0, inv), 0.0, x - mean.index_select(0, inv))
+    if norm == "mean_std":
+        sq = zeros.scatter_add(0, inv, dev * dev)
+        std = torch.where(single, 1.0, (sq / (count - 1).clamp_min(1)).sqrt())
+        dev = dev * (1.0 / (std + eps)).index_select(0, inv)
+    return dev
+
+
+def _episode_scores(r, tinv, kt, valid, invalid_penalty):
+    ep = torch.zeros(kt, dtype=r.dtype, device=r.device).scatter_add_(0, tinv, r)
+    return ep.index_select(0, tinv) - invalid_penalty * (~valid).to(r.dtype)
+
+
+def _positions(tinv: torch.Tensor, kt: int, step: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rank [N] of each row inside its trajectory (ordered by ``step``) and the longest length."""
+    counts = torch.bincount(tinv, minlength=kt)
+    t_max = int(counts.max())
+    smin = torch.full((kt,), torch.iinfo(torch.int64).max, dtype=torch.int64, device=step.device)
+    pos = step - smin.scatter_reduce_(0, tinv, step, "amin").index_select(0, tinv)
+    # fast path: steps are consecutive inside every trajectory (no gap, no duplicate) -> rank = step - min
+    if bool((pos < counts.index_select(0, tinv)).all()) and int(torch.bincount(tinv * t_max + pos).max()) <= 1:
+        return pos, t_max
+    # general case: sort by (trajectory, step) with two stable sorts and take the rank in the segment
+    order = torch.argsort(step, stable=True)
+    order = order[torch.argsort(tinv[order], stable=True)]
+    starts = torch.cumsum(counts, 0) - counts
+    pos = torch.empty_like(tinv)
+    pos[order] = torch.arange(tinv.numel(), device=tinv.device) - starts[tinv[order]]
+    return pos, t_max
+
+
+def _discounted(r, tinv, kt, step, gamma):
+    pos, t_max = _positions(tinv, kt, step)
+    flat = tinv * t_max + pos  # row -> cell of the padded [num_traj, T] matrix
+    padded = torch.zeros(kt * t_max, dtype=r.dtype, device=r.device).index_copy_(0, flat, r).view(kt, t_max)
+    idx = torch.arange(t_max, device=r.device)
+    lag = idx[:, None] - idx[None, :]  # lag[k, t] = k - t
+    g = torch.where(lag >= 0, torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** lag.clamp_min(0), 0.0)
+    return (padded @ g).view(-1).index_select(0, flat)  # R[:, t] = sum_{k >= t} r[:, k] * gamma**(k - t)
+
+
+# --------------------------------------------------------------------------- building blocks
+def group_normalize(
+    x: torch.Tensor,
+    group_id: torch.Tensor,
+    *,
+    norm: Norm = "mean_std",
+    eps: float = 1e-6,
+    singleton_zero: bool = False,
+    value_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Normalises ``x`` [N] inside the sets of rows sharing ``group_id`` [N] (any int64 ids).
+
+    ``mean_std``: ``(x - mean) / (std + eps)`` (unbiased std); ``mean``: ``x - mean``.
+    A set of one row has mean 0 and std 1 (``singleton_zero=True`` gives 0 instead, as GiGPO's
+    step term). A set of >= 2 rows whose values are all equal gives exactly 0: "equal" means
+    ``max - min <= 4 * finfo(value_dtype).eps * max(|max|, |min|)``, i.e. equal up to the
+    rounding of the values' own dtype (``value_dtype``, default ``x.dtype``; e.g. float32 step rewards
+    ``0.1 + 0.2 + 0.3`` and ``0.6`` differ in float64 but are the same float32 episode reward).
+    Returns a tensor [N] of ``x``'s dtype.
+    """
+    _check_norm(norm)
+    x = _as_1d("x", x)
+    if not x.is_floating_point():
+        raise TypeError(f"`x` must be a floating-point tensor, got {x.dtype}.")
+    group_id = _check_ids("group_id", group_id, x.shape[0])
+    if x.numel() == 0:
+        return x.clone()
+    inv, k = _dense_ids(group_id)
+    out = _normalize(x.to(_acc_dtype(x)), inv, k, norm=norm, eps=eps, singleton_zero=singleton_zero,
+                     value_dtype=value_dtype or x.dtype)
+    return out.to(x.dtype)
+
+
+def episode_scores(
+    reward: torch.Tensor,
+    traj_id: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+) -> torch.Tensor:
+    """Per-row score ``S_row = episode_reward(traj) - c * (1 - valid_row)``.
+
+    ``reward`` [N] float (the env reward of each step), ``traj_id`` [N] int64, ``valid`` [N] bool.
+    ``episode_reward`` is the sum of the trajectory's step rewards. Returns [N] in ``reward``'s dtype.
+    """
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    traj_id = _check_ids("traj_id", traj_id, n)
+    valid = _check_valid(valid, n, reward.device)
+    tinv, kt = _dense_ids(traj_id)
+    return _episode_scores(reward.to(_acc_dtype(reward)), tinv, kt, valid, invalid_penalty).to(reward.dtype)
+
+
+def discounted_step_returns(
+    reward: torch.Tensor,
+    traj_id: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    gamma: float = 0.95,
+) -> torch.Tensor:
+    """Discounted return of each row inside its trajectory: ``R_t = r_t + gamma * R_{t+1}``.
+
+    Rows are ordered inside each trajectory by ``step`` [N] (int64); their rank, not the raw
+    value, is the time index. Vectorised as a reverse discounted cumsum: rows are scattered into a
+    padded ``[num_traj, T]`` matrix and multiplied by the upper-triangular Toeplitz matrix
+    ``G[k, t] = gamma**(k - t)`` (``k >= t``), which only uses non-negative powers of ``gamma``
+    (numerically stable, unlike the ``gamma**-t`` rescaled cumsum). Returns [N] in ``reward``'s dtype.
+    """
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    traj_id = _check_ids("traj_id", traj_id, n)
+    step = _check_ids("step", step, n)
+    r = reward.to(_acc_dtype(reward))
+    if n == 0:
+        return reward.clone()
+    tinv, kt = _dense_ids(traj_id)
+    return _discounted(r, tinv, kt, step, gamma).to(reward.dtype)
+
+
+# --------------------------------------------------------------------------- estimators
+def _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty):
+    """Checks the common inputs; returns (acc reward, scores, group inverse, K groups, traj inverse, K trajs)."""
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    group_id = _check_ids("group_id", group_id, n)
+    traj_id = _check_ids("traj_id", traj_id, n)
+    valid = _check_valid(valid, n, reward.device)
+    r = reward.to(_acc_dtype(reward))
+    ginv, kg = _dense_ids(group_id)
+    tinv, kt = _dense_ids(traj_id)
+    return r, valid, _episode_scores(r, tinv, kt, valid, invalid_penalty), ginv, kg, tinv, kt
+
+
+def grpo_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+    norm: Norm = "mean_std",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO: ``A = norm(S_row, rows of the same group)``, ``S_row = episode_reward - c*(1-valid)``.
+
+    Args: ``reward`` [N] float step rewards, ``group_id`` / ``traj_id`` [N] int64, ``valid`` [N]
+    bool (``None``: all valid). Returns ``A`` [N] in ``reward``'s dtype.
+    """
+    _check_norm(norm)
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    if r.numel() == 0:
+        return reward.reshape(-1).clone()
+    return _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=reward.dtype).to(reward.dtype)
+
+
+def gigpo_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    step: torch.Tensor,
+    anchor: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    gamma: float = 0.95,
+    omega: float = 1.0,
+    invalid_penalty: float = 0.1,
+    norm: Norm = "mean_std",
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GiGPO: ``A = A_E + omega * A_S``.
+
+    - ``A_E`` = :func:`grpo_advantage` (episode term);
+    - ``R_t`` = discounted step return inside the trajectory (``gamma``), then
+      ``R_t -= c * (1 - valid_t)`` (penalty after discounting, never propagated);
+    - ``A_S = norm(R_t, rows of the same (group_id, anchor))``; an anchor group of one row gets 0.
+
+    Args: ``reward`` [N] float, ``group_id`` / ``traj_id`` / ``step`` / ``anchor`` [N] int64,
+    ``valid`` [N] bool. Returns [N] in ``reward``'s dtype.
+    """
+    _check_norm(norm)
+    r, valid, s, ginv, kg, tinv, kt = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    n = r.numel()
+    step = _check_ids("step", step, n)
+    anchor = _check_ids("anchor", anchor, n)
+    if n == 0:
+        return reward.reshape(-1).clone()
+    a_episode = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=reward.dtype)
+    step_return = _discounted(r, tinv, kt, step, gamma) - invalid_penalty * (~valid).to(r.dtype)
+    ainv, ka = _pair_ids(ginv, kg, anchor)  # anchor groups: (group, anchor) pairs
+    a_step = _normalize(step_return, ainv, ka, norm=norm, eps=eps, singleton_zero=True, value_dtype=reward.dtype)
+    return (a_episode + omega * a_step).to(reward.dtype)
+
+
+def rloo_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+) -> torch.Tensor:
+    """RLOO: ``A = (S_row - mean_group) * n / (n - 1)`` with ``n`` the rows of the group.
+
+    A group of one row keeps its raw score (mean 0, no rescaling); an all-equal group gives 0.
+    Shapes as :func:`grpo_advantage`; returns [N] in ``reward``'s dtype.
+    """
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    if r.numel() == 0:
+        return reward.reshape(-1).clone()
+    centred = _normalize(s, ginv, kg, norm="mean", eps=0.0, value_dtype=reward.dtype)
+    n = torch.bincount(ginv, minlength=kg).to(s.dtype)[ginv]
+    scale = torch.where(n > 1, n / (n - 1).clamp_min(1), 1.0)
+    return (centred * scale).to(reward.dtype)
+
+
+def reinforce_pp_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """REINFORCE++ (baseline): ``S_row - mean_group``, then whitened over the whole batch.
+
+    Whitening is ``(x - mean) / (std + eps)`` over all N rows (unbiased std; all-equal gives 0).
+    Shapes as :func:`grpo_advantage`; returns [N] in ``reward``'s dtype.
+    """
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    if r.numel() == 0:
+        return reward.reshape(-1).clone()
+    centred = _normalize(s, ginv, kg, norm="mean", eps=0.0, value_dtype=reward.dtype)
+    whole = torch.zeros_like(ginv)
+    return _normalize(centred, whole, 1, norm="mean_std", eps=eps, value_dtype=reward.dtype).to(reward.dtype)
+
+
+# --------------------------------------------------------------------------- similarity anchors
+def similarity_anchor_ids(
+    texts: list[str],
+    group_id: torch.Tensor | list[int],
+    *,
+    threshold: float = 0.9,
+) -> torch.Tensor:
+    """Clusters anchor texts for GiGPO's similarity variant; returns int64 cluster ids [N].
+
+    Inside each group, rows are walked in their order in ``texts``; a row joins the first cluster
+    (in creation order) whose first member ``rep`` satisfies
+    ``difflib.SequenceMatcher(None, text, rep).ratio() >= threshold``, else it starts a new
+    cluster. This is the reference algorithm (same argument order); it is sped up only by exact
+    shortcuts: identical texts match at once, and the cheap upper bounds ``real_quick_ratio`` /
+    ``quick_ratio`` reject a cluster before the full ratio is computed. The ids are unique across
+    groups, so they can be passed as ``anchor`` to :func:`gigpo_advantage`.
+    """
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise TypeError("`texts` must be a list of str.")
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"`threshold` must be in (0, 1], got {threshold}.")
+    gids = group_id.reshape(-1).tolist() if isinstance(group_id, torch.Tensor) else list(group_id)
+    if len(gids) != len(texts):
+        raise ValueError(f"`group_id` has {len(gids)} entries but `texts` has {len(texts)}.")
+    clusters: dict[int, list[tuple[str, int]]] = {}
+    exact: dict[tuple[int, str], int] = {}
+    out = []
+    next_id = 0
+    for text, gid in zip(texts, gids):
+        hit = exact.get((gid, text))
+        if hit is None:
+            for rep, cid in clusters.get(gid, ()):
+                sm = SequenceMatcher(None, text, rep)
+                if sm.real_quick_ratio() >= threshold and sm.quick_ratio() >= threshold and sm.ratio() >= threshold:
+                    hit = cid
+                    break
+            if hit is None:
+                hit = next_id
+                next_id += 1
+                clusters.setdefault(gid, []).append((text, hit))
+            exact[(gid, text)] = hit
+        out.append(hit)
+    return torch.tensor(out, dtype=torch.int64)

@@ -1,0 +1,89 @@
+"""The ``torchrl-agent`` console script.
+
+``torchrl-agent train [hydra overrides...]`` trains (default experiment: ``quickstart``) and prints,
+as its last line, one JSON object summarising the run. Overrides are Hydra's:
+``torchrl-agent train algorithm=gigpo env.num_groups=8 iterations=20``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["compose_config", "config_dir", "main"]
+
+
+def config_dir() -> Path:
+    """The Hydra config folder: ``$TORCHRL_AGENT_CONFIGS`` or the repository's ``configs/``."""
+    path = Path(os.environ.get("TORCHRL_AGENT_CONFIGS", Path(__file__).resolve().parents[2] / "configs"))
+    if not (path / "config.yaml").exists():
+        raise FileNotFoundError(f"no config.yaml in {path}; set TORCHRL_AGENT_CONFIGS to the configs folder")
+    return path
+
+
+def compose_config(overrides: list[str] | None = None):
+    """Compose and validate the run config; returns a :class:`TrainConfig` instance."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from torchrl_agent.trainers.config import TrainConfig
+
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        cfg = compose(config_name="config", overrides=list(overrides or []))
+    _check_keys(OmegaConf.to_container(cfg), TrainConfig)
+    return OmegaConf.to_object(cfg)
+
+
+def _check_keys(node: dict, schema, prefix: str = "") -> None:
+    """Reject keys that the typed schema does not have (``+key=...`` overrides get past Hydra's check)."""
+    import dataclasses
+
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in node.items():
+        if key not in fields:
+            raise KeyError(f"unknown config key '{prefix}{key}'; {schema.__name__} has: {', '.join(fields)}")
+        sub = fields[key].default_factory if fields[key].default_factory is not dataclasses.MISSING else None
+        if isinstance(value, dict) and dataclasses.is_dataclass(sub):
+            _check_keys(value, sub, f"{prefix}{key}.")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="torchrl-agent", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["train", "config"], help="train: run training; config: print the config")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algorithm=gigpo iterations=10")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        cfg = compose_config(args.overrides)
+    except Exception as err:  # hydra/omegaconf errors name the bad key
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2
+    if args.command == "config":
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0
+    from torchrl_agent.trainers.trainer import Trainer
+
+    try:
+        trainer = Trainer(cfg)
+    except (ValueError, KeyError, FileNotFoundError) as err:
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2
+    summary = trainer.train()
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,289 @@
+"""The training loop: collect -> advantages -> old/reference log-probs -> clipped loss -> AdamW.
+
+One iteration::
+
+    rows = collector.collect()                      # one row per env step, complete groups
+    rows = advantage(rows)                          # GRPO / GiGPO / RLOO / REINFORCE++ per row
+    old_log_prob, ref_log_prob = recompute(rows)    # trainer-side, no grad
+    for epoch, minibatch of rows:
+        loss = ClipPolicyLoss(log_prob(minibatch), ...)  -> backward -> clip -> AdamW step
+    policy.update_weights(...)                      # engines with their own weights
+    evaluate on the held-out panel every `eval_every` iterations
+
+Metrics go to ``metrics.jsonl`` and TensorBoard in the run directory, one line per iteration to
+the console; :meth:`Trainer.train` returns the run summary printed as the last line by the CLI.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torchrl.envs import Compose, TransformedEnv
+
+from torchrl_agent.collectors import StepCollector, episode_metrics
+from torchrl_agent.envs import make_env
+from torchrl_agent.envs.transforms import (
+    PROMPT_TEMPLATES,
+    ActionProjection,
+    FullHistory,
+    NoHistory,
+    PromptTransform,
+    WindowMemory,
+)
+from torchrl_agent.models import load_model
+from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
+from torchrl_agent.objectives import (
+    ClipPolicyLoss,
+    GiGPOAdvantage,
+    GRPOAdvantage,
+    ReinforcePlusPlusAdvantage,
+    RLOOAdvantage,
+)
+from torchrl_agent.trainers.config import TrainConfig
+
+__all__ = ["Trainer", "build_env"]
+
+logger = logging.getLogger("torchrl_agent")
+
+
+def build_memory(cfg):
+    if cfg.kind == "window":
+        return WindowMemory(cfg.k)
+    if cfg.kind == "full":
+        return FullHistory()
+    if cfg.kind == "none":
+        return NoHistory()
+    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full or none")
+
+
+def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train") -> TransformedEnv:
+    """The environment with its memory, prompt and projection transforms, per the config."""
+    e = cfg.env
+    kwargs = dict(e.kwargs)
+    if e.max_steps is not None:
+        kwargs["max_steps"] = e.max_steps
+    if split == "train":
+        base = make_env(e.name, num_groups=e.num_groups, group_size=e.group_size, seed=cfg.seed, **kwargs)
+    else:
+        base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
+    template = e.template or (e.name if e.name in PROMPT_TEMPLATES else "default")
+    transforms = Compose(build_memory(cfg.memory),
+                         PromptTransform(tokenizer, template, max_prompt_tokens=cfg.memory.max_prompt_tokens),
+                         ActionProjection(e.action_format))
+    return TransformedEnv(base, transforms)
+
+
+def build_advantage(cfg):
+    a = cfg.algorithm
+    if a.name == "grpo":
+        return GRPOAdvantage(invalid_penalty=a.invalid_penalty, norm=a.norm)
+    if a.name == "gigpo":
+        return GiGPOAdvantage(gamma=a.gamma, omega=a.omega, invalid_penalty=a.invalid_penalty, norm=a.norm)
+    if a.name == "rloo":
+        return RLOOAdvantage(invalid_penalty=a.invalid_penalty)
+    if a.name == "reinforce_pp":
+        return ReinforcePlusPlusAdvantage(invalid_penalty=a.invalid_penalty)
+    raise ValueError(f"algorithm.name: unknown algorithm {a.name!r}; use grpo, gigpo, rloo or reinforce_pp")
+
+
+def _pad(values: list[torch.Tensor], width: int) -> torch.Tensor:
+    out = torch.zeros(len(values), width)
+    for i, v in enumerate(values):
+        out[i, : len(v)] = v
+    return out
+
+
+class Trainer:
+    """Runs the loop of the module docstring for a :class:`TrainConfig`."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_model(cfg.model)
+        self.model.train()
+        r = cfg.rollout
+        self.policy = TransformersPolicy(self.model, self.tokenizer, max_new_tokens=r.max_new_tokens,
+                                         temperature=r.temperature, batch_size=r.batch_size)
+        self.eval_policy = TransformersPolicy(self.model, self.tokenizer, max_new_tokens=r.max_new_tokens,
+                                              temperature=r.eval_temperature, batch_size=r.batch_size)
+        self.env = build_env(cfg, self.tokenizer)
+        self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
+                                       progress=cfg.progress)
+        self.advantage = build_advantage(cfg)
+        a = cfg.algorithm
+        self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature)
+        self.reference = None
+        if a.kl_coef > 0:  # the frozen initial policy
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.loss = ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
+                                   aggregation=a.aggregation, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
+                                   ratio=a.ratio)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.iteration = 0
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------ pieces
+    @torch.no_grad()
+    def recompute(self, model, rows: TensorDictBase, chunk: int = 64) -> list[torch.Tensor]:
+        """Per-row response log-probs under ``model`` (a list of 1-D tensors)."""
+        module = ResponseLogProbs(model, self.tokenizer.pad_token_id, temperature=self.actor.temperature,
+                                  with_entropy=False)
+        out = []
+        for start in range(0, rows.batch_size[0], chunk):
+            part = module(rows[start:start + chunk])
+            lengths = part["mask"].sum(-1)
+            out += [lp[: int(n)] for lp, n in zip(part["log_prob"], lengths)]
+        return out
+
+    def update(self, rows: TensorDictBase) -> dict[str, float]:
+        """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics."""
+        a = self.cfg.algorithm
+        n = rows.batch_size[0]
+        old = self.recompute(self.model, rows)
+        ref = self.recompute(self.reference, rows) if self.reference is not None else None
+        advantage = rows["advantage"].reshape(-1).float()
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
+        totals: dict[str, float] = {}
+        steps = 0
+        self.model.train()
+        for _ in range(a.epochs):
+            order = torch.randperm(n, generator=generator)
+            for start in range(0, n, a.minibatch_size):
+                idx = order[start:start + a.minibatch_size]
+                mb = self.actor(rows[idx.tolist()])
+                width = mb["log_prob"].shape[-1]
+                batch = TensorDict({
+                    "log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mb["mask"],
+                    "old_log_prob": _pad([old[i] for i in idx.tolist()], width),
+                    "advantage": advantage[idx],
+                }, batch_size=[len(idx)])
+                if ref is not None:
+                    batch["ref_log_prob"] = _pad([ref[i] for i in idx.tolist()], width)
+                losses = self.loss(batch)
+                total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+                self.optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+                self.optimizer.step()
+                steps += 1
+                for k, v in losses.items():
+                    totals[k] = totals.get(k, 0.0) + float(v)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
+                totals["loss"] = totals.get("loss", 0.0) + float(total)
+        self.policy.update_weights(self.model.state_dict())
+        return {k: v / max(steps, 1) for k, v in totals.items()}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Success on the held-out panel (fixed odd seeds, the same panel every time)."""
+        self.model.eval()
+        env = build_env(self.cfg, self.tokenizer, split="eval")
+        rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
+        self.model.train()
+        return {f"eval_{k}": v for k, v in episode_metrics(rows).items()}
+
+    def warm_start(self) -> dict[str, float]:
+        """Supervised steps on expert responses (``<think>..</think><action>expert</action>``)."""
+        from torchrl_agent.trainers.warm_start import expert_rows, supervised_step
+
+        w = self.cfg.warm_start
+        rows = expert_rows(self.cfg, self.tokenizer, episodes=w.episodes)
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=w.lr)
+        generator = torch.Generator().manual_seed(self.cfg.seed)
+        loss = float("nan")
+        for _ in range(w.steps):
+            idx = torch.randint(rows.batch_size[0], (w.batch_size,), generator=generator)
+            loss = supervised_step(self.actor, optimizer, rows[idx.tolist()])
+        return {"warm_start_loss": loss, "warm_start_rows": rows.batch_size[0], "warm_start_steps": w.steps}
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        from torch.utils.tensorboard import SummaryWriter
+
+        cfg = self.cfg
+        writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        t_start = time.perf_counter()
+        summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
+        if cfg.warm_start.steps > 0:
+            summary.update(self.warm_start())
+            logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
+        evals = []
+        for it in range(cfg.iterations):
+            self.iteration = it
+            t0 = time.perf_counter()
+            record: dict = {"iteration": it}
+            if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
+                record.update(self.evaluate())
+                evals.append((it, record["eval_success"]))
+            rows = self.collector.collect()
+            rows = self.advantage(rows)
+            record.update(episode_metrics(rows))
+            record.update(self.update(rows))
+            stats = self.collector.stats
+            record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                          generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0)
+            self._log(record, writer, metrics_file)
+        final = {"iteration": cfg.iterations}
+        final.update(self.evaluate())
+        evals.append((cfg.iterations, final["eval_success"]))
+        self._log(final, writer, metrics_file)
+        writer.close()
+        metrics_file.close()
+        summary.update(
+            iterations=cfg.iterations,
+            eval_success_first=evals[0][1],
+            eval_success_last=evals[-1][1],
+            eval_curve=evals,
+            train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
+            wall_s=round(time.perf_counter() - t_start, 1),
+        )
+        self._plot(evals)
+        return summary
+
+    def _log(self, record: dict, writer, metrics_file) -> None:
+        self.history.append(record)
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and math.isfinite(v):
+                writer.add_scalar(k, v, record["iteration"])
+        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
+                 if k in ("iteration", "success", "episode_reward", "action_valid", "loss", "tokens_per_s",
+                          "eval_success", "iteration_s")}
+        print("metrics " + json.dumps(shown), flush=True)
+
+    def _plot(self, evals) -> None:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:  # plotting is a nicety: never fail a run for it
+            return
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        train = [(h["iteration"], h["success"]) for h in self.history if "success" in h]
+        if train:
+            ax.plot(*zip(*train), label="train success")
+        ax.plot(*zip(*evals), marker="o", label="held-out success")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("success rate")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{self.cfg.env.name} / {self.cfg.algorithm.name}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
+        plt.close(fig)
