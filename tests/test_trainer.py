@@ -19,7 +19,7 @@ def test_train_runs_end_to_end_and_writes_its_logs(tmp_path, capsys):
     summary = json.loads(lines[-1])
     assert summary["iterations"] == 2 and summary["algorithm"] == "gigpo"
     assert 0.0 <= summary["eval_success_first"] <= 1.0 and 0.0 <= summary["eval_success_last"] <= 1.0
-    assert [it for it, _ in summary["eval_curve"]] == [0, 1, 2]
+    assert [it for it, _ in summary["eval_curve"]] == [-1, 0, 1, 2]
     assert sum(line.startswith("metrics ") for line in lines) == 3
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
@@ -63,3 +63,24 @@ def test_unknown_names_fail_at_start(tmp_path, capsys):
     assert "chess" in capsys.readouterr().err
     assert main(["train", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
     assert "algorithm.name" in capsys.readouterr().err
+
+
+def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
+    import torch
+
+    from torchrl_agent.trainers import Trainer
+
+    base = [*SMALL, "eval_every=0", "env.eval_episodes=2", "algorithm.lr=1e-3"]
+    straight = Trainer(compose_config([*base, "iterations=2", f"run_dir={tmp_path / 'a'}"]))
+    straight.train()
+    first = Trainer(compose_config([*base, "iterations=1", f"run_dir={tmp_path / 'b'}"]))
+    first.train()
+    checkpoint = tmp_path / "b" / "checkpoints" / "last.pt"
+    assert checkpoint.exists()
+    resumed = Trainer(compose_config([*base, "iterations=2", f"run_dir={tmp_path / 'c'}", f"resume={checkpoint}"]))
+    resumed.train()
+    a = [h for h in straight.history if h["iteration"] == 1 and "loss" in h][0]
+    c = [h for h in resumed.history if h["iteration"] == 1 and "loss" in h][0]
+    assert a["episode_reward"] == c["episode_reward"] and a["loss"] == c["loss"]
+    for (name, x), y in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(x, y), name

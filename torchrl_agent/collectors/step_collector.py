@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: Keys of the step's input copied into its row.
 _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type", "anchor", "memory",
                "step_count", ("text", "prompt"))
-_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success")
+_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault")
 
 
 class StepCollector:
@@ -105,7 +105,7 @@ class StepCollector:
                 if not running[i]:
                     continue  # lockstep: an environment already done generated for nothing
                 row = td[i].select(*_INPUT_KEYS, "action", "action_valid", ("text", "response"), strict=False)
-                row.update(td[i]["next"].select(*_OUTCOME_KEYS))
+                row.update(td[i]["next"].select(*_OUTCOME_KEYS, strict=False))
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
                     logger.warning("prompt of environment %d exceeds the engine's limit: episode truncated", i)
                     row["truncated"] = torch.ones(1, dtype=torch.bool)
@@ -113,8 +113,11 @@ class StepCollector:
                 row.update(out[j].select("tokens", "log_probs", "prompt_too_long", "cached_tokens"))
                 row["group_id"] = group_id[i]
                 row["traj_id"] = traj_id[i]
+                # the token ledger: what this step cost
+                row["prompt_tokens"] = torch.tensor([len(row["tokens", "prompt"])])
+                row["response_tokens"] = torch.tensor([len(row["tokens", "response"])])
                 rows.append(row)
-                generated += len(row["tokens", "response"])
+                generated += int(row["response_tokens"])
             was_running = running.clone()
             running = running & ~td["next", "done"].reshape(-1) & ~too_long
             bar.update(int(was_running.sum()))
@@ -142,8 +145,24 @@ def _find_projection(env: EnvBase) -> ActionProjection | None:
     return None
 
 
+def token_ledger(rows: TensorDictBase) -> dict[str, float]:
+    """Token costs: per step and per episode, prompt, response and prefix-cached prompt tokens
+    (``cached_tokens`` is 0 for engines that do not report it)."""
+    _, inverse = torch.unique(rows["traj_id"].reshape(-1), return_inverse=True)
+    episodes = int(inverse.max()) + 1
+    out = {}
+    for key in ("prompt_tokens", "response_tokens", "cached_tokens"):
+        per_step = rows[key].reshape(-1).double()
+        per_episode = torch.zeros(episodes, dtype=torch.float64).index_add_(0, inverse, per_step)
+        out[f"{key}_per_step"] = per_step.mean().item()
+        out[f"{key}_per_episode"] = per_episode.mean().item()
+        out[f"{key}_total"] = int(per_step.sum())
+    return out
+
+
 def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
-    """Per-episode success, reward and length over the rows of complete episodes."""
+    """Per-episode success, reward and length over the rows of complete episodes, and the
+    per-task-type success where the environment labels its tasks."""
     done = rows["done"].reshape(-1)
     success = rows["success"].reshape(-1)[done].float()
     traj = rows["traj_id"].reshape(-1)
@@ -156,5 +175,19 @@ def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
         "episode_length": lengths.mean().item(),
         "action_valid": rows["action_valid"].float().mean().item(),
         "episodes": int(done.sum()),
+        **_per_task_success(rows, done),
+        **token_ledger(rows),
     }
+
+
+def _per_task_success(rows: TensorDictBase, done: torch.Tensor) -> dict[str, float]:
+    if "task_type" not in rows.keys():
+        return {}
+    types = [t for t, d in zip(rows["task_type"], done.tolist()) if d]
+    success = rows["success"].reshape(-1)[done].tolist()
+    out = {}
+    for name in sorted(set(types) - {""}):
+        hits = [s for t, s in zip(types, success) if t == name]
+        out[f"success/{name}"] = sum(hits) / len(hits)
+    return out
 

@@ -45,6 +45,7 @@ import functools
 import json
 import os
 import random
+import re
 import sys
 from collections.abc import Sequence
 
@@ -98,7 +99,9 @@ def _split_dir(data_dir: str, split: str) -> str:
     )
 
 
-@functools.lru_cache(maxsize=16)
+_SOLVABLE = re.compile(r'"solvable"\s*:\s*true\b')
+
+
 def _find_game_files(split_dir: str, task_types: tuple[str, ...]) -> tuple[str, ...]:
     found = []
     for root, _dirs, files in os.walk(split_dir):
@@ -109,8 +112,8 @@ def _find_game_files(split_dir: str, task_types: tuple[str, ...]) -> tuple[str, 
         game_file = os.path.join(root, "game.tw-pddl")
         if task_type_of(game_file) not in task_types:
             continue
-        with open(game_file) as f:
-            if not json.load(f).get("solvable", False):
+        with open(game_file) as f:  # ALFWorld marks the games its expert solved (a text search: no JSON parse)
+            if not _SOLVABLE.search(f.read()):
                 continue
         found.append(game_file)
     return tuple(sorted(found))
@@ -141,11 +144,12 @@ def _check_task_types(task_types: Sequence[str] | None) -> tuple[str, ...]:
 @contextlib.contextmanager
 def _engine_guard():
     """Undo the engine's process-wide side effects: fast-downward's translator rewrites ``sys.argv``."""
-    argv = list(sys.argv)
+    argv, saved = sys.argv, list(sys.argv)
     try:
         yield
     finally:
-        sys.argv[:] = argv
+        sys.argv = argv
+        argv[:] = saved
 
 
 @functools.lru_cache(maxsize=64)
@@ -157,8 +161,14 @@ def _pddl2sas_cached(domain: str, problem: str, verbose: bool = False, optimize:
 
 class _CachedFastDownward:
     """``fast_downward`` with a memoised ``pddl2sas``: the PDDL->SAS translation is a pure function of
-    the (domain, problem) texts and takes most of a reset; every game of a group (and every later
-    episode of the same game) reuses it. The translated task is only read by the engine."""
+    the (domain, problem) texts and takes most of a load; every game of a group (and every later
+    episode of the same game) reuses it. The translated task is only read by the engine.
+
+    The engine also translates each problem a second time, optimised, for its planner (``replan``,
+    which serves only the ``policy_commands`` / ``walkthrough`` infos; this environment requests
+    neither): that second translation is replaced by the first, unoptimised one, which the planner
+    accepts as well. This halves the cost of loading a game.
+    """
 
     def __init__(self, module):
         self._module = module
@@ -168,7 +178,7 @@ class _CachedFastDownward:
 
     @staticmethod
     def pddl2sas(domain, problem, verbose=False, optimize=False):
-        return _pddl2sas_cached(domain, problem, verbose, optimize)
+        return _pddl2sas_cached(domain, problem, verbose, False)
 
 
 def _memoised_parse(parse):
@@ -301,7 +311,10 @@ class ALFWorldGame(TextGame):
         with _engine_guard(), _seeded_global_random(self._expert_rng):
             if self._loaded != game_file:
                 self._loaded = None
-                self._env.load(game_file)
+                try:
+                    self._env.load(game_file)
+                except Exception as err:
+                    raise RuntimeError(f"could not load the ALFWorld game {game_file!r}: {err}") from err
                 self._loaded = game_file
             state = self._env.reset()
         self.game_file = game_file

@@ -18,6 +18,10 @@ What a game is made of, and where each part comes from:
     and the agent pose to interact with them: ``loc|x/0.25|z/0.25|rotation/90|horizon``; these are
     the receptacles that get the ``openable`` fact when their class is openable, as in the real
     game) and ``FloorPlan<N>-layout.npy`` (the reachable floor points);
+  - *derived, not shipped*: at most :data:`MAX_SAME_RECEPTACLES` receptacles of one class are
+    kept (drawn per scene), so a scene has the size of a real game (the real FloorPlan14 game has
+    20 receptacles; some shipped scenes list 50): a go-to action is grounded for every pair of
+    locations, so larger scenes load and step several times slower;
   - *derived, not shipped*: a receptacle type listed in ``objects.json`` without an instance in
     ``openable.json`` (e.g. a kitchen's stove burners, toaster, coffee machine, garbage can) gets
     instances placed at reachable points drawn for the scene (4 stove burners, else 1); these are
@@ -31,7 +35,9 @@ What a game is made of, and where each part comes from:
     ``toggleable``) and ``canContain`` follow ``constants.VAL_ACTION_OBJECTS`` /
     ``VAL_RECEPTACLE_OBJECTS`` / ``MOVABLE_RECEPTACLES``; the goal is ``goal_library``'s PDDL goal.
     Scenery objects that play no part in the text game (windows, chairs, light switches, ...) are
-    left out.
+    left out. For "pick two" tasks both target objects start in one receptacle that need not be
+    opened: ALFWorld's hand-coded expert fails most other placements (it looks for the second
+    object only where it saw the first, and does not reopen a receptacle it closed).
 
 * the task: one of the six task types, with the constraints ALFRED's sampler enforces (the scene
   has the object and the target receptacle, the target class can hold the object, a microwave /
@@ -372,6 +378,8 @@ def generate_games(
     """
     if games_per_type < 1:
         raise ValueError(f"games_per_type must be >= 1, got {games_per_type}")
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
     unknown = [t for t in task_types if t not in TASK_TYPES]
     if unknown:
         raise ValueError(f"task_types must be a subset of {TASK_TYPES}, got {list(task_types)!r}")
@@ -428,14 +436,14 @@ def generated_data_dir(
     (``cache_dir`` defaults to ``~/.cache/torchrl_agent/alfworld_games``); a file lock makes
     concurrent first uses generate once.
     """
-    import alfworld
+    from alfworld.info import __version__ as alfworld_version
 
     task_types = [t for t in TASK_TYPES if t in task_types]
     name = f"seed{seed}-n{games_per_type}"
     if len(task_types) < len(TASK_TYPES):
         name += "-" + "-".join(str(TASK_TYPES.index(t) + 1) for t in task_types)
     root = os.path.join(os.fspath(cache_dir or default_cache_dir()),
-                        f"{GENERATOR_VERSION}-alfworld{alfworld.__version__}", name)
+                        f"{GENERATOR_VERSION}-alfworld{alfworld_version}", name)
     if os.path.isfile(os.path.join(root, "DONE")):
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)

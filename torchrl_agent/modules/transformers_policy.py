@@ -53,6 +53,8 @@ class TransformersPolicy(LLMPolicy):
         for row, ids in enumerate(batch):  # left padding
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
+        device = next(self.model.parameters()).device  # the engine's device (inputs are built on CPU)
+        input_ids, attention = input_ids.to(device), attention.to(device)
         sample = self.temperature > 0
         output = self.model.generate(
             input_ids=input_ids, attention_mask=attention, max_new_tokens=self.max_new_tokens,
@@ -120,12 +122,13 @@ class ResponseLogProbs(TensorDictModuleBase):
         self.out_keys = [log_prob_key, "mask"] + (["entropy"] if with_entropy else [])
 
     def forward(self, rows: TensorDictBase) -> TensorDictBase:
-        batch = pad_rows(rows, self.pad_token_id)
+        device = next(self.model.parameters()).device  # outputs live on the model's device
+        batch = {k: v.to(device) for k, v in pad_rows(rows, self.pad_token_id).items()}
         logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logits = logits.float() / self.temperature
         n, t_max = batch["response_mask"].shape
         # logits at position j predict token j+1: response token k sits at start+k, predicted at start+k-1
-        positions = (batch["response_start"][:, None] - 1 + torch.arange(t_max)[None]).clamp(
+        positions = (batch["response_start"][:, None] - 1 + torch.arange(t_max, device=device)[None]).clamp(
             max=logits.shape[1] - 1)
         picked = logits.gather(1, positions[..., None].expand(n, t_max, logits.shape[-1]))  # [N, T, V]
         targets = batch["input_ids"].gather(1, (positions + 1).clamp(max=batch["input_ids"].shape[1] - 1))

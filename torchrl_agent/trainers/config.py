@@ -29,8 +29,10 @@ class ModelConfig:
 
 @dataclass
 class MemoryConfig:
-    kind: str = "window"  # window | full | none
-    k: int = 2  # window size
+    kind: str = "window"  # window | full | none | summary
+    k: int = 2  # window size (records kept verbatim)
+    max_summary_tokens: int = 128  # summary: length bound of the running summary
+    summarize_every: int = 1  # summary: re-summarise every k overflowing steps
     max_prompt_tokens: Optional[int] = None  # per-step prompt budget (oldest records dropped first)
 
 
@@ -76,6 +78,15 @@ class WarmStartConfig:
 
 
 @dataclass
+class EvalConfig:
+    """`torchrl-agent eval`: which policy to run on the evaluation panel."""
+
+    checkpoint: Optional[str] = None  # a training checkpoint (.pt) to load into the model
+    endpoint: Optional[str] = None  # an OpenAI-compatible server (prompt-only baseline)
+    endpoint_model: Optional[str] = None  # the model name sent to the endpoint
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -83,9 +94,13 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     iterations: int = 4
     eval_every: int = 2  # evaluate on held-out seeds every k iterations (and at the first and last)
     seed: int = 0
     run_dir: Optional[str] = None  # default: runs/<timestamp>
+    checkpoint_every: int = 0  # save a checkpoint every k iterations (0: only at the end)
+    resume: Optional[str] = None  # a checkpoint to resume from
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
+    device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)

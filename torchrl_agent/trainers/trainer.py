@@ -17,13 +17,16 @@ the console; :meth:`Trainer.train` returns the run summary printed as the last l
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 import logging
 import math
+import random
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.envs import Compose, TransformedEnv
@@ -36,9 +39,10 @@ from torchrl_agent.envs.transforms import (
     FullHistory,
     NoHistory,
     PromptTransform,
+    SummaryMemory,
     WindowMemory,
 )
-from torchrl_agent.models import load_model
+from torchrl_agent.models import load_model, model_path
 from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
 from torchrl_agent.objectives import (
     ClipPolicyLoss,
@@ -48,23 +52,43 @@ from torchrl_agent.objectives import (
     RLOOAdvantage,
 )
 from torchrl_agent.trainers.config import TrainConfig
+from torchrl_agent.trainers.distributed import (
+    barrier,
+    broadcast_object,
+    clip_grad_norm,
+    distributed_loss_scale,
+    full_optimizer_state_dict,
+    full_state_dict,
+    init_distributed,
+    is_distributed,
+    is_main_process,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    reduce_mean,
+    shard_indices,
+    shard_model,
+)
 
 __all__ = ["Trainer", "build_env"]
 
 logger = logging.getLogger("torchrl_agent")
 
 
-def build_memory(cfg):
+def build_memory(cfg, policy=None):
+    """The memory transform of a ``memory`` config; ``policy`` summarises for ``kind=summary``."""
+    if cfg.kind == "summary":
+        return SummaryMemory(cfg.k, summarizer=policy, max_summary_tokens=cfg.max_summary_tokens,
+                             summarize_every=cfg.summarize_every)
     if cfg.kind == "window":
         return WindowMemory(cfg.k)
     if cfg.kind == "full":
         return FullHistory()
     if cfg.kind == "none":
         return NoHistory()
-    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full or none")
+    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full, none or summary")
 
 
-def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train") -> TransformedEnv:
+def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None) -> TransformedEnv:
     """The environment with its memory, prompt and projection transforms, per the config."""
     e = cfg.env
     kwargs = dict(e.kwargs)
@@ -75,7 +99,7 @@ def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train") -> Transform
     else:
         base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
     template = e.template or (e.name if e.name in PROMPT_TEMPLATES else "default")
-    transforms = Compose(build_memory(cfg.memory),
+    transforms = Compose(build_memory(cfg.memory, policy),
                          PromptTransform(tokenizer, template, max_prompt_tokens=cfg.memory.max_prompt_tokens),
                          ActionProjection(e.action_format))
     return TransformedEnv(base, transforms)
@@ -95,7 +119,7 @@ def build_advantage(cfg):
 
 
 def _pad(values: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(values), width)
+    out = torch.zeros(len(values), width, device=values[0].device if values else None)
     for i, v in enumerate(values):
         out[i, : len(v)] = v
     return out
@@ -108,32 +132,49 @@ class Trainer:
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
+        # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
+        self.rank, self.world_size, self.device = init_distributed(cfg.device)
         torch.manual_seed(cfg.seed)
+        if is_main_process():
+            model_path(cfg.model)  # build (and cache) the tiny model once, before the other ranks read it
+        barrier()
         self.model, self.tokenizer = load_model(cfg.model)
-        self.model.train()
-        r = cfg.rollout
-        self.policy = TransformersPolicy(self.model, self.tokenizer, max_new_tokens=r.max_new_tokens,
-                                         temperature=r.temperature, batch_size=r.batch_size)
-        self.eval_policy = TransformersPolicy(self.model, self.tokenizer, max_new_tokens=r.max_new_tokens,
-                                              temperature=r.eval_temperature, batch_size=r.batch_size)
-        self.env = build_env(cfg, self.tokenizer)
-        self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
-                                       progress=cfg.progress)
-        self.advantage = build_advantage(cfg)
+        self.model.to(self.device).train()
         a = cfg.algorithm
-        self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature)
         self.reference = None
-        if a.kl_coef > 0:  # the frozen initial policy
+        if a.kl_coef > 0:  # the frozen initial policy (a full copy on every rank)
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # the rollout engine's weights: the training model itself in a single process; under torchrun
+        # rank 0's own full copy (a forward of the sharded model is collective), synced after updates
+        self.rollout_model = self.model
+        if is_distributed():
+            self.rollout_model = copy.deepcopy(self.model).eval() if is_main_process() else None
+        self.model = shard_model(self.model)  # no-op in a single process
+        r = cfg.rollout
+        self.policy = self.eval_policy = self.env = self.collector = None
+        if is_main_process():
+            self.policy = TransformersPolicy(self.rollout_model, self.tokenizer, max_new_tokens=r.max_new_tokens,
+                                             temperature=r.temperature, batch_size=r.batch_size)
+            self.eval_policy = TransformersPolicy(self.rollout_model, self.tokenizer,
+                                                  max_new_tokens=r.max_new_tokens,
+                                                  temperature=r.eval_temperature, batch_size=r.batch_size)
+            self.env = build_env(cfg, self.tokenizer, policy=self.policy)
+            self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
+                                           progress=cfg.progress)
+        self.advantage = build_advantage(cfg)
+        self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature)
         self.loss = ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
                                    aggregation=a.aggregation, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
                                    ratio=a.ratio)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir = Path(broadcast_object(str(self.run_dir)))  # rank 0's timestamp
+        if is_main_process():
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.iteration = 0
         self.history: list[dict] = []
+        self.evals: list[tuple[int, float]] = []  # (iteration, held-out success)
 
     # ------------------------------------------------------------------ pieces
     @torch.no_grad()
@@ -162,35 +203,49 @@ class Trainer:
         for _ in range(a.epochs):
             order = torch.randperm(n, generator=generator)
             for start in range(0, n, a.minibatch_size):
-                idx = order[start:start + a.minibatch_size]
-                mb = self.actor(rows[idx.tolist()])
+                # this rank's rows of the mini-batch (all of them in a single process)
+                idx, active = shard_indices(order[start:start + a.minibatch_size])
+                mb = self.actor(rows[idx])
                 width = mb["log_prob"].shape[-1]
+                mask = mb["mask"] & active
                 batch = TensorDict({
-                    "log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mb["mask"],
-                    "old_log_prob": _pad([old[i] for i in idx.tolist()], width),
-                    "advantage": advantage[idx],
+                    "log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
+                    "old_log_prob": _pad([old[i] for i in idx], width),
+                    "advantage": advantage[idx].to(mask.device),
                 }, batch_size=[len(idx)])
                 if ref is not None:
-                    batch["ref_log_prob"] = _pad([ref[i] for i in idx.tolist()], width)
+                    batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
                 losses = self.loss(batch)
                 total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+                # exact data parallelism: the averaged gradient is the whole mini-batch's (1 in one process)
+                scale = distributed_loss_scale(mask, a.aggregation)
                 self.optimizer.zero_grad(set_to_none=True)
-                total.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a.grad_clip)
+                (scale * total).backward()
+                grad_norm = clip_grad_norm(self.model.parameters(), a.grad_clip)
                 self.optimizer.step()
                 steps += 1
                 for k, v in losses.items():
-                    totals[k] = totals.get(k, 0.0) + float(v)
+                    totals[k] = totals.get(k, 0.0) + reduce_mean(scale * v)
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
-                totals["loss"] = totals.get("loss", 0.0) + float(total)
-        self.policy.update_weights(self.model.state_dict())
+                totals["loss"] = totals.get("loss", 0.0) + reduce_mean(scale * total.detach())
+        self.sync_weights()
         return {k: v / max(steps, 1) for k, v in totals.items()}
+
+    def sync_weights(self) -> None:
+        """Hands the trained weights to the rollout engine (under torchrun every rank must call it)."""
+        if not is_distributed():
+            self.policy.update_weights(self.model.state_dict())
+            return
+        state = full_state_dict(self.model)  # gathered on rank 0
+        if is_main_process():
+            self.rollout_model.load_state_dict(state)
+            self.policy.update_weights(state)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Success on the held-out panel (fixed odd seeds, the same panel every time)."""
         self.model.eval()
-        env = build_env(self.cfg, self.tokenizer, split="eval")
+        env = build_env(self.cfg, self.tokenizer, split="eval", policy=self.eval_policy)
         rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
         self.model.train()
         return {f"eval_{k}": v for k, v in episode_metrics(rows).items()}
@@ -209,20 +264,63 @@ class Trainer:
             loss = supervised_step(self.actor, optimizer, rows[idx.tolist()])
         return {"warm_start_loss": loss, "warm_start_rows": rows.batch_size[0], "warm_start_steps": w.steps}
 
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self, path: str | Path | None = None) -> Path:
+        """Save everything the next iteration depends on: weights, optimizer, iteration, the
+        collector's position in its seed stream, RNG states and the metrics so far."""
+        path = Path(path or self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt")
+        model_state = full_state_dict(self.model)  # every rank gathers; rank 0 holds and writes
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+        if not is_main_process():
+            return path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": model_state, "optimizer": optimizer_state,
+            "iteration": self.iteration, "collector": self.collector.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
+            "history": self.history, "evals": self.evals, "config": dataclasses.asdict(self.cfg),
+        }
+        tmp = path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)  # never a half-written checkpoint
+        return path
+
+    def load_checkpoint(self, path: str | Path) -> None:
+        state = torch.load(path, map_location="cpu", weights_only=False) if is_main_process() else {}
+        load_full_state_dict(self.model, state.get("model", {}))
+        load_full_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}))
+        self.sync_weights()  # the rollout engine gets the loaded weights
+        self.iteration = broadcast_object(state.get("iteration"))
+        if not is_main_process():
+            return
+        self.collector.load_state_dict(state["collector"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
+
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
         from torch.utils.tensorboard import SummaryWriter
 
         cfg = self.cfg
+        if not is_main_process():
+            return self._train_worker()
         writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
-        if cfg.warm_start.steps > 0:
+        start = 0
+        if cfg.resume:
+            self.load_checkpoint(cfg.resume)
+            start = self.iteration + 1
+            logger.info("resumed from %s at iteration %d", cfg.resume, start)
+        elif cfg.warm_start.steps > 0:
             summary.update(self.warm_start())
+            self.sync_weights()
             logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
-        evals = []
-        for it in range(cfg.iterations):
+        evals = self.evals
+        for it in range(start, cfg.iterations):
             self.iteration = it
             t0 = time.perf_counter()
             record: dict = {"iteration": it}
@@ -230,13 +328,16 @@ class Trainer:
                 record.update(self.evaluate())
                 evals.append((it, record["eval_success"]))
             rows = self.collector.collect()
-            rows = self.advantage(rows)
+            rows = broadcast_object(self.advantage(rows))  # to every rank (as is in a single process)
             record.update(episode_metrics(rows))
             record.update(self.update(rows))
             stats = self.collector.stats
             record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
                           generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0)
             self._log(record, writer, metrics_file)
+            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         evals.append((cfg.iterations, final["eval_success"]))
@@ -253,6 +354,24 @@ class Trainer:
         )
         self._plot(evals)
         return summary
+
+    def _train_worker(self) -> dict:
+        """Ranks > 0 under torchrun: the collective calls of rank 0's :meth:`train`, nothing else."""
+        cfg = self.cfg
+        start = 0
+        if cfg.resume:
+            self.load_checkpoint(cfg.resume)
+            start = self.iteration + 1
+        elif cfg.warm_start.steps > 0:
+            self.warm_start()
+            self.sync_weights()
+        for it in range(start, cfg.iterations):
+            self.iteration = it
+            self.update(broadcast_object(None))
+            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                self.save_checkpoint()
+        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        return {}
 
     def _log(self, record: dict, writer, metrics_file) -> None:
         self.history.append(record)

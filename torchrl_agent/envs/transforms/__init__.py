@@ -10,6 +10,7 @@ from torchrl_agent.envs.transforms.memory import (
 )
 from torchrl_agent.envs.transforms.projection import ActionProjection, project_action
 from torchrl_agent.envs.transforms.prompt import PROMPT_TEMPLATES, PromptTransform
+from torchrl_agent.envs.transforms.summary import SummaryMemory
 
 __all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "ActionProjection", "FullHistory", "MemoryTransform", "NoHistory",
-           "PromptTransform", "WindowMemory", "load_memory", "project_action"]
+           "PromptTransform", "SummaryMemory", "WindowMemory", "load_memory", "project_action"]

@@ -1,0 +1,206 @@
+"""FSDP2 data parallelism: 2 CPU processes (gloo, torchrun) take the same clipped-loss steps as one.
+
+The worker half of this file runs under ``torchrun`` (``python -m torch.distributed.run
+--standalone --nproc_per_node 2 tests/test_distributed.py OUT MODEL``); the tests compare what it
+writes with the same steps taken in the pytest process without any process group.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from tensordict import TensorDict, lazy_stack
+
+from torchrl_agent.modules import ResponseLogProbs
+from torchrl_agent.objectives import ClipPolicyLoss
+from torchrl_agent.trainers.distributed import (
+    clip_grad_norm,
+    distributed_loss_scale,
+    full_optimizer_state_dict,
+    full_state_dict,
+    get_rank,
+    init_distributed,
+    is_main_process,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+    reduce_mean,
+    shard_indices,
+    shard_model,
+)
+
+PROMPT_LENGTHS = (6, 4, 9, 5, 3)
+RESPONSE_LENGTHS = (3, 7, 2, 5, 4)  # unequal: the two ranks see different token counts
+ADVANTAGES = (1.0, -0.5, 0.8, -1.2, 0.3)
+MINIBATCHES = ([0, 1, 2, 3, 4], [2])  # the second leaves rank 1 without a row
+LR, GRAD_CLIP = 1e-3, 0.05  # the clip is active: it checks the norm over all shards
+
+
+def make_rows(vocab_size: int) -> TensorDict:
+    """Five fixed rows: ragged prompt/response token ids (in ``[3, vocab_size)``) and an advantage each."""
+    g = torch.Generator().manual_seed(123)
+    rows = []
+    for p, r, a in zip(PROMPT_LENGTHS, RESPONSE_LENGTHS, ADVANTAGES):
+        rows.append(TensorDict({
+            "tokens": {"prompt": torch.randint(3, vocab_size, (p,), generator=g),
+                       "response": torch.randint(3, vocab_size, (r,), generator=g)},
+            "advantage": torch.tensor(a),
+        }))
+    return lazy_stack(rows)
+
+
+def train_steps(model, optimizer=None) -> dict:
+    """The clipped-loss steps of MINIBATCHES: each rank takes its rows of each mini-batch."""
+    torch.manual_seed(0)
+    rows = make_rows(model.config.vocab_size)
+    actor = ResponseLogProbs(model, pad_token_id=0)
+    with torch.no_grad():  # old / reference log-probs: the current ones, perturbed (ratio != 1)
+        full = actor(rows.copy())
+        noise = torch.randn(full["log_prob"].shape, generator=torch.Generator().manual_seed(7))
+        old = (full["log_prob"] + 0.3 * noise) * full["mask"]
+        ref = (full["log_prob"] - 0.1 * noise.flip(-1)) * full["mask"]
+    loss_module = ClipPolicyLoss(eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+    optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    out = {"loss": [], "grad_norm": [], "clip_fraction": []}
+    for idx in MINIBATCHES:
+        local, active = shard_indices(idx)
+        mb = actor(rows[local])
+        width = mb["log_prob"].shape[-1]
+        mask = mb["mask"] & active
+        batch = TensorDict({"log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
+                            "old_log_prob": old[local, :width], "ref_log_prob": ref[local, :width],
+                            "advantage": rows[local]["advantage"]}, batch_size=[len(local)])
+        losses = loss_module(batch)
+        total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+        scale = distributed_loss_scale(mask, loss_module.aggregation)
+        optimizer.zero_grad(set_to_none=True)
+        (scale * total).backward()
+        out["grad_norm"].append(float(clip_grad_norm(model.parameters(), GRAD_CLIP)))
+        optimizer.step()
+        out["loss"].append(reduce_mean(scale * total.detach()))
+        out["clip_fraction"].append(float(losses["clip_fraction"]))
+    out["state"] = full_state_dict(model)
+    out["optimizer"] = full_optimizer_state_dict(model, optimizer)
+    return out
+
+
+def _worker(out_path: str, model_path: str) -> None:
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(1)
+    rank, world, device = init_distributed("cpu")
+    assert world == 2 and device.type == "cpu"
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train()
+    model = shard_model(model)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    result = train_steps(model)
+    # checkpoint round trip: rank 0's full states into a fresh sharded model and optimizer
+    fresh = shard_model(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=LR, weight_decay=0.01)
+    load_full_state_dict(fresh, result["state"])
+    load_full_optimizer_state_dict(fresh, fresh_optimizer, result["optimizer"])
+    result["reloaded_state"] = full_state_dict(fresh)
+    result["reloaded_optimizer"] = full_optimizer_state_dict(fresh, fresh_optimizer)
+    result.update(rank=get_rank(), sharded=sharded, tied=tied)
+    if is_main_process():
+        torch.save(result, out_path)
+    else:  # the full states live on rank 0 only
+        assert result["state"] == {} and result["reloaded_state"] == {}
+    from torchrl_agent.trainers.distributed import barrier, cleanup
+
+    barrier()
+    cleanup()
+
+
+def test_init_distributed_without_torchrun_is_a_single_process(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    rank, world, device = init_distributed("cpu")
+    assert (rank, world, device) == (0, 1, torch.device("cpu"))
+    assert is_main_process()
+    model = torch.nn.Linear(2, 2)
+    assert shard_model(model) is model  # no process group: unchanged
+    assert float(distributed_loss_scale(torch.ones(2, 3, dtype=torch.bool))) == 1.0
+    assert shard_indices([4, 5, 6], 0, 1) == ([4, 5, 6], True)
+    assert shard_indices([4, 5, 6], 1, 2) == ([5], True)
+    assert shard_indices([4], 1, 2) == ([4], False)
+
+
+def test_decoder_layers_are_found_generically(tiny_model):
+    from torchrl_agent.trainers.distributed import decoder_layers
+
+    layers = list(tiny_model.model.layers)
+    assert len(layers) == tiny_model.config.num_hidden_layers
+    assert all(a is b for a, b in zip(decoder_layers(tiny_model), layers))  # model.model.layers
+    wrapped = torch.nn.ModuleDict({"backbone": tiny_model.model})  # no .model.layers: by class name
+    found = decoder_layers(wrapped)
+    assert len(found) == len(layers) and all(a is b for a, b in zip(found, layers))
+    assert decoder_layers(torch.nn.Linear(2, 2)) == []
+
+
+def test_bad_arguments_are_named(monkeypatch):
+    import pytest
+
+    with pytest.raises(ValueError, match="device"):
+        init_distributed("tpu")
+    with pytest.raises(ValueError, match="aggregation"):
+        distributed_loss_scale(torch.ones(2, 3, dtype=torch.bool), "median")
+    with pytest.raises(ValueError, match="rank"):
+        shard_indices([1, 2], 2, 2)
+    monkeypatch.setenv("RANK", "zero")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="RANK"):
+        init_distributed("cpu")
+
+
+def test_fsdp2_on_two_processes_matches_one_process(tiny_path, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "rank0.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           os.path.abspath(__file__), str(out), str(tiny_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    dist_result = torch.load(out, weights_only=False)
+    assert dist_result["sharded"] and dist_result["tied"]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    single = train_steps(model)
+
+    torch.testing.assert_close(dist_result["loss"], single["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dist_result["grad_norm"], single["grad_norm"], atol=1e-6, rtol=1e-5)
+    assert single["grad_norm"][0] > GRAD_CLIP  # the clip was active
+    assert 0 < single["clip_fraction"][0] < 1  # the perturbed ratios hit the clip on some tokens
+    state = dist_result["state"]
+    assert set(state) == set(single["state"])
+    moved = 0
+    for name, value in single["state"].items():
+        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
+        moved += not torch.equal(value, before[name])
+    assert moved == len(before)  # every tensor took the steps
+    # the tie survived sharding and gathering: one weight, two names
+    torch.testing.assert_close(state["lm_head.weight"], state["model.embed_tokens.weight"])
+    # the optimizer moments, gathered by parameter name, match the single process's
+    optim, single_optim = dist_result["optimizer"]["state"], single["optimizer"]["state"]
+    assert set(optim) == set(single_optim) and len(optim) > 0
+    for name, moments in single_optim.items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(optim[name][key], moments[key], atol=1e-6, rtol=1e-4, msg=f"{name} {key}")
+    # a checkpoint round trip (load_full_* into a fresh sharded model) gives back the same states
+    for name, value in state.items():
+        assert torch.equal(dist_result["reloaded_state"][name], value), name
+    for name, moments in optim.items():
+        for key, value in moments.items():
+            assert torch.equal(dist_result["reloaded_optimizer"]["state"][name][key], value), (name, key)
+
+
+if __name__ == "__main__":  # the torchrun worker
+    _worker(sys.argv[1], sys.argv[2])

@@ -1,0 +1,296 @@
+"""HTTPPolicy against a local OpenAI-compatible server whose engine is the real tiny model."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from tensordict import NonTensorStack, TensorDict
+
+from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
+from torchrl_agent.modules.http_policy import HTTPPolicy, HTTPPolicyError
+
+SERVER_LIMIT = 200  # the server's own prompt limit (tokens)
+
+
+class _Server:
+    """A minimal ``/v1/completions`` + ``/v1/chat/completions`` server over a TransformersPolicy.
+
+    It records every Generation its engine produced; ``fail_next`` makes the next requests answer 503.
+    """
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.lock = threading.Lock()
+        self.generations = []
+        self.requests = []
+        self.fail_next = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _send(self, code, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with server.lock:
+                    server.requests.append(body)
+                    if server.fail_next:
+                        server.fail_next -= 1
+                        return self._send(503, {"error": {"message": "busy"}})
+                    if self.path == "/v1/completions":
+                        prompt = body["prompt"]
+                    elif self.path == "/v1/chat/completions":
+                        prompt = server.engine.tokenizer.apply_chat_template(
+                            body["messages"], tokenize=False, add_generation_prompt=True)
+                    else:
+                        return self._send(404, {"error": {"message": f"no route {self.path}"}})
+                    if len(server.engine.encode(prompt)) > SERVER_LIMIT:
+                        return self._send(400, {"error": {"message": "This model's maximum context length is "
+                                                                     f"{SERVER_LIMIT} tokens."}})
+                    server.engine.max_new_tokens = body["max_tokens"]
+                    server.engine.temperature = body["temperature"]
+                    if body.get("seed") is not None:
+                        torch.manual_seed(body["seed"])
+                    (g,) = server.engine.generate([prompt])
+                    server.generations.append(g)
+                tok = server.engine.tokenizer
+                if body.get("return_tokens_as_token_ids"):
+                    tokens = [f"token_id:{t}" for t in g.response_ids]
+                else:
+                    tokens = [tok.decode([t]) for t in g.response_ids]
+                if self.path == "/v1/completions":
+                    choice = {"index": 0, "text": g.text, "finish_reason": "stop",
+                              "logprobs": {"tokens": tokens, "token_logprobs": g.log_probs}}
+                else:
+                    choice = {"index": 0, "finish_reason": "stop",
+                              "message": {"role": "assistant", "content": g.text},
+                              "logprobs": {"content": [{"token": t, "logprob": lp}
+                                                       for t, lp in zip(tokens, g.log_probs)]}}
+                if body.get("return_token_ids"):
+                    choice["token_ids"] = g.response_ids
+                self._send(200, {"id": "cmpl-test", "object": "text_completion", "choices": [choice]})
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tokenizer):
+    srv = _Server(TransformersPolicy(tiny_model, tokenizer, max_new_tokens=8))
+    yield srv
+    srv.close()
+
+
+def _prompts(tokenizer, n):
+    return [tokenizer.apply_chat_template([{"role": "user", "content": f"Go to {i}."}], tokenize=False,
+                                          add_generation_prompt=True) for i in range(n)]
+
+
+def test_completions_round_trip(server, tokenizer, tiny_model):
+    policy = HTTPPolicy(server.url, tokenizer, max_new_tokens=10, temperature=0.8, max_concurrency=1, seed=5)
+    prompts = _prompts(tokenizer, 3)
+    server.generations.clear()
+    gens = policy.generate(prompts)
+    assert [r["seed"] for r in server.requests[-3:]] == [5, 6, 7]
+    assert server.requests[-1]["max_tokens"] == 10 and server.requests[-1]["temperature"] == 0.8
+    for prompt, g, ref in zip(prompts, gens, server.generations):
+        assert g.prompt_ids == ref.prompt_ids == policy.encode(prompt)
+        assert g.response_ids == ref.response_ids and len(g.response_ids) >= 1
+        assert g.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
+        assert g.text == ref.text == policy.decode(g.response_ids)
+        assert not g.prompt_too_long
+    # the log-probs are the sampled tokens' under T, as the trainer recomputes them
+    td = policy(TensorDict({"text": TensorDict({"prompt": NonTensorStack(*prompts)}, batch_size=[3])},
+                           batch_size=[3]))
+    with torch.no_grad():
+        rows = ResponseLogProbs(tiny_model, tokenizer.pad_token_id, temperature=0.8)(td.copy())
+    for i in range(3):
+        lp = td[i]["log_probs", "response"]
+        assert (lp - rows["log_prob"][i, : len(lp)]).abs().max() < 1e-4
+
+
+def test_seeded_requests_are_reproducible(server, tokenizer):
+    policy = HTTPPolicy(server.url, tokenizer, max_new_tokens=8, max_concurrency=1, seed=11)
+    prompts = _prompts(tokenizer, 2)
+    first = policy.generate(prompts)
+    policy.set_seed(11)
+    again = policy.generate(prompts)
+    assert [g.response_ids for g in first] == [g.response_ids for g in again]
+
+
+@pytest.mark.parametrize("extra_body", [{}, {"return_tokens_as_token_ids": True}])
+def test_response_ids_without_return_token_ids(server, tokenizer, extra_body):
+    policy = HTTPPolicy(server.url, tokenizer, max_new_tokens=8, extra_body=extra_body)
+    server.generations.clear()
+    (g,) = policy.generate(_prompts(tokenizer, 1))
+    (ref,) = server.generations
+    assert "return_token_ids" not in server.requests[-1]
+    if extra_body:  # "token_id:N" strings: the exact ids
+        assert g.response_ids == ref.response_ids and g.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
+    else:  # the text re-tokenised locally (special tokens such as eos are not in the text)
+        assert g.response_ids == tokenizer(ref.text, add_special_tokens=False)["input_ids"]
+        assert g.text == ref.text
+        if len(g.response_ids) == len(ref.response_ids):
+            assert g.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
+        else:
+            assert len(g.log_probs) == len(g.response_ids) and all(math.isnan(x) for x in g.log_probs)
+
+
+def test_chat_api(server, tokenizer):
+    policy = HTTPPolicy(server.url + "/v1", tokenizer, api="chat", max_new_tokens=6)
+    server.generations.clear()
+    (g,) = policy.generate(["Go to 3."])
+    (ref,) = server.generations
+    assert server.requests[-1]["messages"] == [{"role": "user", "content": "Go to 3."}]
+    assert g.response_ids == ref.response_ids and g.log_probs == pytest.approx(ref.log_probs, abs=1e-6)
+    assert g.prompt_ids == policy.encode("Go to 3.")
+
+
+def test_prompt_too_long(server, tokenizer):
+    short = _prompts(tokenizer, 1)[0]
+    long = "word " * (SERVER_LIMIT + 10)
+    n_requests = len(server.requests)
+    local = HTTPPolicy(server.url, tokenizer, max_new_tokens=4, max_prompt_tokens=50)
+    gens = local.generate([long, short])
+    assert [g.prompt_too_long for g in gens] == [True, False]
+    assert len(server.requests) == n_requests + 1  # the long prompt was never sent
+    remote = HTTPPolicy(server.url, tokenizer, max_new_tokens=4)  # no local limit: the server's 400 says so
+    gens = remote.generate([long, short])
+    assert [g.prompt_too_long for g in gens] == [True, False]
+    assert gens[0].response_ids == [] and len(gens[1].response_ids) >= 1
+
+
+def test_retries_then_clear_errors(server, tokenizer):
+    policy = HTTPPolicy(server.url, tokenizer, max_new_tokens=4, retries=2, backoff=0.01)
+    server.fail_next = 2
+    (g,) = policy.generate(_prompts(tokenizer, 1))
+    assert len(g.response_ids) >= 1 and server.fail_next == 0
+    server.fail_next = 3
+    with pytest.raises(HTTPPolicyError, match=r"failed after 3 attempt\(s\): HTTP 503"):
+        policy.generate(_prompts(tokenizer, 1))
+    server.fail_next = 0
+    wrong_route = HTTPPolicy(server.url + "/v2", tokenizer, retries=5, backoff=0.01)
+    with pytest.raises(HTTPPolicyError, match="after 1 attempt.*HTTP 404"):  # a client error is not retried
+        wrong_route.generate(["x"])
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    port = srv.server_address[1]
+    srv.server_close()  # nothing listens there now
+    down = HTTPPolicy(f"http://127.0.0.1:{port}", tokenizer, retries=1, backoff=0.01, timeout=2)
+    with pytest.raises(HTTPPolicyError, match=f"127.0.0.1:{port}/v1/completions failed after 2"):
+        down.generate(["x"])
+
+
+def test_bad_arguments(tokenizer):
+    with pytest.raises(ValueError, match="base_url"):
+        HTTPPolicy("localhost:8000", tokenizer)
+    with pytest.raises(ValueError, match="api"):
+        HTTPPolicy("http://127.0.0.1:1", tokenizer, api="responses")
+    with pytest.raises(ValueError, match="timeout"):
+        HTTPPolicy("http://127.0.0.1:1", tokenizer, timeout=0)
+    with pytest.raises(TypeError, match="prompts"):
+        HTTPPolicy("http://127.0.0.1:1", tokenizer).generate("x")
+
+
+def _vllm_ready(tiny_path: Path, folder: Path) -> Path:
+    """The tiny model, or its recipe with head size 32 while its own head size lacks a vLLM CPU kernel."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from torchrl_agent.modules.vllm_policy import VLLM_CPU_HEAD_SIZES
+
+    config = json.loads((tiny_path / "config.json").read_text())
+    if (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]) in VLLM_CPU_HEAD_SIZES:
+        return tiny_path
+    heads = config["hidden_size"] // 32
+    config.update(num_attention_heads=heads, num_key_value_heads=math.gcd(heads, config["num_key_value_heads"]))
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(Qwen2Config(**config)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_path).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory, tiny_path):
+    """vLLM's own OpenAI server (CPU build) in a subprocess, on a vLLM-ready copy of the tiny model."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    path = _vllm_ready(tiny_path, tmp_path_factory.mktemp("vllm-server"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    log = open(tmp_path_factory.mktemp("vllm-server-log") / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path), "--served-model-name",
+         "tiny", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--enforce-eager",
+         "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--host", "127.0.0.1",
+         "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log.flush()
+                    raise RuntimeError(f"vLLM server did not start; log: {log.name}") from None
+                time.sleep(1)
+        yield url, path
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def test_vllm_openai_server(vllm_server):
+    """The same client against vLLM's real server: its token ids and T-scaled log-probs, its 400 for long prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    url, path = vllm_server
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    policy = HTTPPolicy(url, tokenizer, model="tiny", max_new_tokens=8, temperature=0.7, seed=3, timeout=120)
+    prompts = _prompts(tokenizer, 3)
+    td = policy(TensorDict({"text": TensorDict({"prompt": NonTensorStack(*prompts)}, batch_size=[3])},
+                           batch_size=[3]))
+    with torch.no_grad():
+        rows = ResponseLogProbs(model, tokenizer.pad_token_id, temperature=0.7)(td.copy())
+    for i in range(3):
+        lp = td[i]["log_probs", "response"]
+        assert len(lp) == len(td[i]["tokens", "response"]) >= 1
+        assert (lp - rows["log_prob"][i, : len(lp)]).abs().max() < 1e-3
+    policy.set_seed(3)
+    again = policy.generate(prompts)
+    assert [g.response_ids for g in again] == [td[i]["tokens", "response"].tolist() for i in range(3)]
+    gens = policy.generate(["word " * 300, prompts[0]])  # past the server's max_model_len (256)
+    assert [g.prompt_too_long for g in gens] == [True, False]

@@ -1,0 +1,184 @@
+"""An OpenAI-compatible HTTP endpoint as a rollout engine, for prompt-only baselines.
+
+Only the standard library is used (``urllib.request`` + ``json``). One POST per prompt, up to
+``max_concurrency`` in flight, each with a timeout and retries (connection errors, timeouts,
+HTTP 408/429/5xx; other HTTP errors fail at once with the server's message).
+
+Token ids:
+
+- the prompt's ids are always the local tokenisation (:meth:`LLMPolicy.encode`) of the prompt text;
+- the response's ids are the server's when it returns them (vLLM's ``return_token_ids``, sent by
+  default through ``extra_body``, or ``token_id:N`` token strings from ``return_tokens_as_token_ids``);
+  otherwise the local tokenisation of the returned text, which may differ from what the server
+  sampled: the server's log-probs are kept when the two lengths agree, else they are NaN.
+
+With ``api="chat"`` the prompt text is sent as one user message to ``/v1/chat/completions``: the
+server applies its own chat template, so ``prompt_ids`` (local) are not what the model saw. Use
+``api="completions"`` (the default) when the prompt already holds the chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from torchrl_agent.modules.policy import Generation, LLMPolicy
+
+__all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY"]
+
+#: vLLM's extra request fields: response token ids, no BOS added to the prompt, no top-k.
+VLLM_EXTRA_BODY = {"return_token_ids": True, "add_special_tokens": False, "top_k": 0}
+
+_RETRY_STATUS = {408, 429, 500, 502, 503, 504}
+_TOO_LONG_MARKERS = ("maximum context length", "context length", "too long", "prompt_too_long")
+
+
+class HTTPPolicyError(RuntimeError):
+    """The endpoint failed (after retries) or answered something that is not a completion."""
+
+
+class HTTPPolicy(LLMPolicy):
+    """Samples from an OpenAI-compatible server (``/v1/completions`` or ``/v1/chat/completions``).
+
+    Args:
+        base_url: the server root, e.g. ``http://127.0.0.1:8000`` (``/v1`` is appended when absent).
+        tokenizer: the served model's tokenizer (prompt ids, and response ids when the server
+            gives none).
+        model: the ``model`` field of each request.
+        api: ``"completions"`` (text prompt) or ``"chat"`` (the prompt as one user message).
+        max_new_tokens, temperature, max_prompt_tokens: see :class:`LLMPolicy`. Prompts longer
+            than ``max_prompt_tokens`` are not sent; a server's "context length" 400 error also
+            marks the prompt ``prompt_too_long``.
+        seed: request ``k`` (counted over the policy's life, reset by :meth:`set_seed`) sends
+            ``seed + k``; ``None`` sends no seed.
+        timeout: seconds per HTTP attempt.
+        retries: attempts after the first one, with ``backoff * 2**i`` seconds between them.
+        max_concurrency: requests in flight at once.
+        api_key: sent as ``Authorization: Bearer``.
+        extra_body: more request fields (default :data:`VLLM_EXTRA_BODY`; pass ``{}`` for servers
+            that reject unknown fields).
+    """
+
+    def __init__(self, base_url: str, tokenizer, *, model: str = "default", api: str = "completions",
+                 seed: int | None = 0, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
+                 max_concurrency: int = 8, api_key: str | None = None, extra_body: dict | None = None, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        if api not in ("completions", "chat"):
+            raise ValueError(f"api must be 'completions' or 'chat', got {api!r}")
+        if timeout <= 0:
+            raise ValueError(f"timeout must be > 0, got {timeout}")
+        if retries < 0:
+            raise ValueError(f"retries must be >= 0, got {retries}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        base = base_url.rstrip("/")
+        base = base if base.endswith("/v1") else base + "/v1"
+        self.url = base + ("/completions" if api == "completions" else "/chat/completions")
+        self.model = model
+        self.api = api
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.max_concurrency = max_concurrency
+        self.api_key = api_key
+        self.extra_body = dict(VLLM_EXTRA_BODY if extra_body is None else extra_body)
+        self.set_seed(seed)
+
+    def set_seed(self, seed: int | None) -> None:
+        """Restart the per-request seed sequence at ``seed`` (``None``: no seed sent)."""
+        if seed is not None and not isinstance(seed, int):
+            raise ValueError(f"seed must be an int or None, got {seed!r}")
+        self.seed = seed
+        self._requests = 0
+
+    def generate(self, prompts: list[str]) -> list[Generation]:
+        if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
+            raise TypeError("prompts must be a list of str")
+        out = [Generation(ids) for ids in (self.encode(p) for p in prompts)]
+        limit = self.max_prompt_tokens
+        todo = []
+        for i, g in enumerate(out):
+            if limit is not None and len(g.prompt_ids) > limit:
+                g.prompt_too_long = True
+            else:
+                seed = None if self.seed is None else self.seed + self._requests
+                self._requests += 1
+                todo.append((i, seed))
+        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(todo)))) as pool:
+            replies = list(pool.map(lambda job: self._post(self._body(prompts[job[0]], job[1])), todo))
+        for (i, _), reply in zip(todo, replies):
+            if reply is None:
+                out[i].prompt_too_long = True
+            else:
+                self._fill(out[i], reply)
+        return out
+
+    def _body(self, prompt: str, seed: int | None) -> dict:
+        body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": self.temperature,
+                "top_p": 1.0}
+        if self.api == "completions":
+            body.update(prompt=prompt, logprobs=1)
+        else:
+            body.update(messages=[{"role": "user", "content": prompt}], logprobs=True)
+        if seed is not None:
+            body["seed"] = seed
+        body.update(self.extra_body)
+        return body
+
+    def _post(self, body: dict) -> dict | None:
+        """POST with retries; ``None`` when the server says the prompt is too long."""
+        data = json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        last = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    return json.loads(response.read().decode())
+            except urllib.error.HTTPError as err:
+                message = err.read().decode(errors="replace")[:2000]
+                if err.code == 400 and any(m in message.lower() for m in _TOO_LONG_MARKERS):
+                    return None
+                last = f"HTTP {err.code}: {message}"
+                if err.code not in _RETRY_STATUS:
+                    break
+            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as err:
+                last = f"{type(err).__name__}: {err}"
+        raise HTTPPolicyError(f"HTTPPolicy: POST {self.url} failed after {attempt + 1} attempt(s): {last}")
+
+    def _fill(self, g: Generation, reply: dict) -> None:
+        try:
+            choice = reply["choices"][0]
+            logprobs = choice.get("logprobs") or {}
+            if self.api == "completions":
+                text = choice["text"]
+                tokens = logprobs.get("tokens") or []
+                log_probs = logprobs.get("token_logprobs") or []
+            else:
+                text = choice["message"]["content"] or ""
+                content = logprobs.get("content") or []
+                tokens = [c["token"] for c in content]
+                log_probs = [c["logprob"] for c in content]
+        except (KeyError, IndexError, TypeError) as err:
+            raise HTTPPolicyError(f"HTTPPolicy: {self.url} answered no completion ({err!r}): {str(reply)[:500]}") from err
+        ids = choice.get("token_ids")
+        if ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+            ids = [int(t.split(":", 1)[1]) for t in tokens]
+        from_server = ids is not None
+        if not from_server:
+            ids = self.encode(text)
+        ids = [int(t) for t in ids]
+        log_probs = [float(lp) for lp in log_probs]
+        g.response_ids = ids
+        g.log_probs = log_probs if len(log_probs) == len(ids) else [math.nan] * len(ids)
+        g.text = self.decode(ids) if from_server else text
