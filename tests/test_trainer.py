@@ -84,3 +84,44 @@ def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
     assert a["episode_reward"] == c["episode_reward"] and a["loss"] == c["loss"]
     for (name, x), y in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(x, y), name
+
+
+def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
+    assert main(["train", *SMALL, "iterations=1", "eval_every=0", f"run_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    checkpoint = tmp_path / "checkpoints" / "last.pt"
+    args = ["eval", "env.eval_episodes=4", "env.max_steps=3", "rollout.max_new_tokens=8", "progress=false",
+            f"eval.checkpoint={checkpoint}"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert first["episodes"] == 4 and 0.0 <= first["success"] <= 1.0 and first["policy"] == str(checkpoint)
+    assert main(args) == 0  # the same panel and seed: the same result
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert again["success"] == first["success"] and again["episode_reward"] == first["episode_reward"]
+    assert main(["eval", "eval.checkpoint=/nonexistent.pt"]) == 2
+    assert "eval.checkpoint" in capsys.readouterr().err
+
+
+def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(tmp_path):
+    import torch
+
+    from torchrl_agent.trainers import Trainer
+
+    cfg = compose_config([*SMALL, f"run_dir={tmp_path}", "model.lora_rank=4", "algorithm.kl_coef=0.05",
+                          "algorithm.lr=1e-2"])
+    trainer = Trainer(cfg)
+    assert trainer.reference is None  # no second copy of the weights
+    trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    rows = trainer.advantage(trainer.collector.collect())
+    metrics = trainer.update(rows)
+    assert "loss_kl" in metrics
+    for name, p in trainer.model.named_parameters():
+        if name in frozen:
+            assert torch.equal(p, frozen[name]), name
+    # after the update the adapters moved the policy away from the base model (the reference)
+    with trainer.model.disable_adapter():
+        base = trainer.recompute(trainer.model, rows[:4])
+    tuned = trainer.recompute(trainer.model, rows[:4])
+    assert any(not torch.allclose(a, b) for a, b in zip(base, tuned))

@@ -1,7 +1,9 @@
 """The ``torchrl-agent`` console script.
 
 ``torchrl-agent train [hydra overrides...]`` trains (default experiment: ``quickstart``) and prints,
-as its last line, one JSON object summarising the run. Overrides are Hydra's:
+as its last line, one JSON object summarising the run. ``torchrl-agent eval [overrides...]`` runs a
+policy (``eval.checkpoint=``, ``model.path=``, or ``eval.endpoint=`` for an OpenAI-compatible
+server) on the environment's evaluation panel and prints its success, overall and per task type. Overrides are Hydra's:
 ``torchrl-agent train algorithm=gigpo env.num_groups=8 iterations=20``.
 """
 
@@ -58,7 +60,8 @@ def _check_keys(node: dict, schema, prefix: str = "") -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="torchrl-agent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["train", "config"], help="train: run training; config: print the config")
+    parser.add_argument("command", choices=["train", "eval", "config"],
+                        help="train: run training; eval: run a policy on the evaluation panel; config: print the config")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. algorithm=gigpo iterations=10")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -72,6 +75,16 @@ def main(argv: list[str] | None = None) -> int:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0
+    if args.command == "eval":
+        from torchrl_agent.trainers.evaluate import evaluate_policy
+
+        try:
+            result = evaluate_policy(cfg)
+        except (ValueError, KeyError, FileNotFoundError) as err:
+            print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(result), flush=True)
         return 0
     from torchrl_agent.trainers.trainer import Trainer
 

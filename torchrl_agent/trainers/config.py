@@ -25,6 +25,9 @@ class ModelConfig:
     path: Optional[str] = None  # a local Hugging Face folder or a hub name
     seed: int = 0  # the tiny model's initialisation seed
     dtype: str = "float32"
+    lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft); the reference is the base model
+    lora_alpha: int = 16
+    lora_targets: str = "all-linear"  # or a comma-separated list of module names
 
 
 @dataclass

@@ -105,6 +105,18 @@ def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None)
     return TransformedEnv(base, transforms)
 
 
+def apply_lora(model, cfg):
+    """Wrap ``model`` with LoRA adapters (``peft``) per the model config."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise ImportError("model.lora_rank > 0 needs peft: pip install 'torchrl-agent[lora]'") from err
+    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",")]
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
 def build_advantage(cfg):
     a = cfg.algorithm
     if a.name == "grpo":
@@ -142,7 +154,11 @@ class Trainer:
         self.model.to(self.device).train()
         a = cfg.algorithm
         self.reference = None
-        if a.kl_coef > 0:  # the frozen initial policy (a full copy on every rank)
+        if cfg.model.lora_rank > 0:
+            # LoRA: only the adapters train; the reference policy is the base model with the
+            # adapters disabled (no second copy of the weights)
+            self.model = apply_lora(self.model, cfg.model)
+        elif a.kl_coef > 0:  # the frozen initial policy (a full copy on every rank)
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         # the rollout engine's weights: the training model itself in a single process; under torchrun
         # rank 0's own full copy (a forward of the sharded model is collective), synced after updates
@@ -194,7 +210,12 @@ class Trainer:
         a = self.cfg.algorithm
         n = rows.batch_size[0]
         old = self.recompute(self.model, rows)
-        ref = self.recompute(self.reference, rows) if self.reference is not None else None
+        ref = None
+        if a.kl_coef > 0 and self.cfg.model.lora_rank > 0:
+            with self.model.disable_adapter():
+                ref = self.recompute(self.model, rows)
+        elif self.reference is not None:
+            ref = self.recompute(self.reference, rows)
         advantage = rows["advantage"].reshape(-1).float()
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
@@ -316,6 +337,8 @@ class Trainer:
             start = self.iteration + 1
             logger.info("resumed from %s at iteration %d", cfg.resume, start)
         elif cfg.warm_start.steps > 0:
+            # the untrained policy's held-out success, plotted at iteration -1
+            self.evals.append((-1, self.evaluate()["eval_success"]))
             summary.update(self.warm_start())
             self.sync_weights()
             logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
