@@ -18,7 +18,7 @@ time. The curve points are ``(iteration, success)`` with ``-1`` the untrained mo
 Prints one JSON object as the LAST line::
 
     python benchmarks/gigpo_vs_grpo.py [--seeds 0 1 2] [--iterations 8] [--warm-steps 60]
-                                       [--eval-episodes 32] [--eval-every 1] [--threshold 0.8]
+                                       [--eval-episodes 32] [--eval-every 2] [--threshold 0.9]
                                        [--plot curves.png] [--quick]
 
 ``--quick`` is a smoke variant (1 seed, 1 iteration, 16 panel games, 10 warm-start steps).
@@ -72,7 +72,8 @@ def run_one(method: str, seed: int, args, root: str) -> dict:
     return {
         "seed": seed, "curve": curve, "eval_success_untrained": next((s for it, s in curve if it == -1), None),
         "eval_success_start": start, "eval_success_final": curve[-1][1], "gain": curve[-1][1] - start,
-        "iterations_to_threshold": iterations_to(curve, args.threshold), "wall_s": round(wall, 1),
+        "iterations_to_threshold": iterations_to(curve, args.threshold),
+        "iterations_to": {str(t): iterations_to(curve, t) for t in args.extra_thresholds}, "wall_s": round(wall, 1),
         "train_success_last": summary.get("train_success_last"),
     }
 
@@ -93,6 +94,7 @@ def aggregate(runs: list[dict]) -> dict:
         "gain": mean_std([r["gain"] for r in runs]),
         "iterations_to_threshold": reached,
         "reached_threshold": f"{len(hit)}/{len(runs)}",
+        "iterations_to": {t: [r["iterations_to"][t] for r in runs] for t in runs[0]["iterations_to"]},
         "iterations_to_threshold_mean_of_reached": statistics.fmean(hit) if hit else None,
         "mean_curve": mean_curve,
         "wall_s": mean_std([r["wall_s"] for r in runs]),
@@ -130,8 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--iterations", type=int, default=8)
     parser.add_argument("--warm-steps", type=int, default=60)
     parser.add_argument("--eval-episodes", type=int, default=32)
-    parser.add_argument("--eval-every", type=int, default=1)
-    parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--eval-every", type=int, default=2)
+    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--extra-thresholds", type=float, nargs="*", default=[0.8, 0.9],
+                        help="also report iterations to reach these")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads per run")
     parser.add_argument("--plot", default=None, help="write a PNG of the mean curves here")
     parser.add_argument("--quick", action="store_true", help="smoke variant: 1 seed, 1 iteration, small panel")

@@ -125,3 +125,22 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(tmp_path
         base = trainer.recompute(trainer.model, rows[:4])
     tuned = trainer.recompute(trainer.model, rows[:4])
     assert any(not torch.allclose(a, b) for a, b in zip(base, tuned))
+
+
+def test_train_with_the_vllm_engine_syncs_weights_into_it(tmp_path):
+    import torch
+
+    from torchrl_agent.modules import ResponseLogProbs, VLLMPolicy
+    from torchrl_agent.trainers import Trainer
+
+    cfg = compose_config([*SMALL, f"run_dir={tmp_path}", "rollout.engine=vllm", "algorithm.lr=1e-2",
+                          "algorithm.kl_coef=0", "warm_start.steps=0"])
+    trainer = Trainer(cfg)
+    assert isinstance(trainer.policy, VLLMPolicy) and trainer.eval_policy.temperature == cfg.rollout.eval_temperature
+    rows = trainer.advantage(trainer.collector.collect())
+    trainer.update(rows)  # the update ends with update_weights into the engine
+    fresh = trainer.collector.collect()
+    with torch.no_grad():
+        recomputed = ResponseLogProbs(trainer.model, trainer.tokenizer.pad_token_id)(fresh[:6])
+    sampled = fresh[:6].get(("log_probs", "response"), as_padded_tensor=True)
+    torch.testing.assert_close(recomputed["log_prob"], sampled * recomputed["mask"], atol=2e-3, rtol=0)

@@ -41,7 +41,7 @@ class MemoryConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = "transformers"
+    engine: str = "transformers"  # transformers | vllm
     max_new_tokens: int = 48
     temperature: float = 1.0
     eval_temperature: float = 0.4

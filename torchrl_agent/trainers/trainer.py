@@ -117,6 +117,23 @@ def apply_lora(model, cfg):
     return get_peft_model(model, config)
 
 
+def build_policy(cfg, model, tokenizer):
+    """The rollout engine of ``rollout.engine``: ``transformers`` (shares ``model``) or ``vllm``
+    (its own copy of the weights, refreshed by ``update_weights`` after every update)."""
+    r = cfg.rollout
+    if r.engine == "transformers":
+        return TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                  batch_size=r.batch_size)
+    if r.engine == "vllm":
+        from torchrl_agent.modules.vllm_policy import VLLMPolicy
+
+        if cfg.model.lora_rank > 0:
+            raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        return VLLMPolicy(model_path(cfg.model), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed,
+                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_num_seqs=r.batch_size)
+    raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
+
+
 def build_advantage(cfg):
     a = cfg.algorithm
     if a.name == "grpo":
@@ -169,11 +186,9 @@ class Trainer:
         r = cfg.rollout
         self.policy = self.eval_policy = self.env = self.collector = None
         if is_main_process():
-            self.policy = TransformersPolicy(self.rollout_model, self.tokenizer, max_new_tokens=r.max_new_tokens,
-                                             temperature=r.temperature, batch_size=r.batch_size)
-            self.eval_policy = TransformersPolicy(self.rollout_model, self.tokenizer,
-                                                  max_new_tokens=r.max_new_tokens,
-                                                  temperature=r.eval_temperature, batch_size=r.batch_size)
+            self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
+            self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
+            self.eval_policy.temperature = r.eval_temperature
             self.env = build_env(cfg, self.tokenizer, policy=self.policy)
             self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
                                            progress=cfg.progress)

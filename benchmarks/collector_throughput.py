@@ -1,0 +1,184 @@
+"""Collector throughput: generation only for running environments versus the lock-step reference.
+
+Workload: NumberLine (``max_steps=10``, start-to-target distances 1..5) with ``--num-groups`` x
+``--group-size`` environments, driven by the bundled tiny model through ``TransformersPolicy``.
+The model is first **warm-started briefly** (``--warm-steps`` supervised steps on the expert's
+responses, as ``Trainer.warm_start`` does, seeded): the half-trained policy emits valid actions but
+does not always walk straight to the target, so episodes end at very different steps (some at step
+1-2, some at the 10-step limit). The episode-length distribution actually collected is reported.
+
+Decoding is greedy by default (``--temperature 0``): every prompt gets the same response in both
+modes, so both collect the *same rows* (checked: ``same_rows``), and the comparison is purely one
+of cost. With ``--temperature > 0`` the rows differ between modes and the speedup is computed per
+collected row.
+
+Both modes run in one process, interleaved ``--repeats`` times (the order alternates every
+repeat; every repeat re-creates the environment with the same seed, so every repeat collects the
+same episodes). The reported times are the **median** over repeats (the best is reported too).
+``speedup_vs_lockstep = (lockstep time per row) / (our time per row)``; with identical rows that is
+the plain wall-clock ratio.
+
+``tokens_per_s`` counts the tokens of the collected rows' responses (what the trainer uses);
+tokens the lock-step mode generates for environments that already finished are not counted there
+but show in ``generation_slots`` (one per prompt generated for).
+
+With ``--workers N > 0`` the same comparison is repeated with the games stepping in ``N`` worker
+processes (``make_env(..., num_workers=N)``), reported under ``workers``.
+
+Prints one JSON object as the LAST line::
+
+    python benchmarks/collector_throughput.py [--num-groups 8] [--group-size 4] [--repeats 3]
+                                              [--warm-steps 30] [--temperature 0] [--workers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from torchrl.envs import Compose, TransformedEnv  # noqa: E402
+
+from torchrl_agent.collectors import StepCollector  # noqa: E402
+from torchrl_agent.envs import make_env  # noqa: E402
+from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory  # noqa: E402
+from torchrl_agent.models import load_model  # noqa: E402
+from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy  # noqa: E402
+from torchrl_agent.trainers.cli import compose_config  # noqa: E402
+from torchrl_agent.trainers.warm_start import expert_rows, supervised_step  # noqa: E402
+
+
+def warm_started_model(steps: int, seed: int):
+    """The tiny model after ``steps`` supervised steps on NumberLine's expert (as the trainer does)."""
+    cfg = compose_config([f"seed={seed}", f"warm_start.steps={steps}", "progress=false"])
+    model, tokenizer = load_model(cfg.model)
+    torch.manual_seed(seed)
+    model.train()
+    if steps:
+        rows = expert_rows(cfg, tokenizer, episodes=64)
+        actor = ResponseLogProbs(model, tokenizer.pad_token_id)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.warm_start.lr)
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            idx = torch.randint(rows.batch_size[0], (cfg.warm_start.batch_size,), generator=generator)
+            supervised_step(actor, optimizer, rows[idx.tolist()])
+    return model.eval(), tokenizer
+
+
+def make(tokenizer, args, workers: int):
+    base = make_env("numberline", num_groups=args.num_groups, group_size=args.group_size, seed=args.seed,
+                    max_steps=args.max_steps, num_workers=workers)
+    return TransformedEnv(base, Compose(WindowMemory(2), PromptTransform(tokenizer, "numberline"), ActionProjection()))
+
+
+def collect_once(policy, tokenizer, args, *, lockstep: bool, workers: int) -> dict:
+    env = make(tokenizer, args, workers)
+    try:
+        collector = StepCollector(env, policy, seed=args.seed, lockstep=lockstep)
+        t0 = time.perf_counter()
+        rows = collector.collect()
+        elapsed = time.perf_counter() - t0
+    finally:
+        if workers:
+            env.close()
+    traj = rows["traj_id"].reshape(-1)
+    lengths = torch.bincount(traj - traj.min()).tolist()
+    return {"time_s": elapsed, "rows": rows.batch_size[0], "stats": dict(collector.stats), "lengths": lengths,
+            "actions": [str(a) for a in rows["action"]], "success": rows["success"].reshape(-1)[
+                rows["done"].reshape(-1)].float().mean().item()}
+
+
+def summarise(runs: list[dict]) -> dict:
+    times = [r["time_s"] for r in runs]
+    rows = runs[0]["rows"]
+    stats = runs[0]["stats"]
+    median = statistics.median(times)
+    per_row = statistics.median(r["time_s"] / r["rows"] for r in runs)
+    return {
+        "time_s_median": round(median, 3), "time_s_best": round(min(times), 3),
+        "time_s_all": [round(t, 3) for t in times], "time_per_row_s_median": per_row,
+        "rows": rows, "generation_slots": stats["generation_slots"],
+        "generated_tokens": stats["generated_tokens"],
+        "env_steps_per_s": statistics.median(r["rows"] / r["time_s"] for r in runs),
+        "tokens_per_s": statistics.median(r["stats"]["generated_tokens"] / r["time_s"] for r in runs),
+        "success": runs[0]["success"],
+    }
+
+
+def compare(policy, tokenizer, args, workers: int) -> dict:
+    runs = {"ours": [], "lockstep": []}
+    for repeat in range(args.repeats):
+        order = ("ours", "lockstep") if repeat % 2 == 0 else ("lockstep", "ours")
+        for mode in order:
+            runs[mode].append(collect_once(policy, tokenizer, args, lockstep=mode == "lockstep", workers=workers))
+    ours, lock = summarise(runs["ours"]), summarise(runs["lockstep"])
+    lengths = runs["ours"][0]["lengths"]
+    same_rows = all(r["actions"] == runs["ours"][0]["actions"] for r in runs["ours"] + runs["lockstep"])
+    hist = collections.Counter(lengths)
+    return {
+        "speedup_vs_lockstep": lock["time_per_row_s_median"] / ours["time_per_row_s_median"],
+        "speedup_vs_lockstep_best": (min(r["time_s"] / r["rows"] for r in runs["lockstep"])
+                                     / min(r["time_s"] / r["rows"] for r in runs["ours"])),
+        "generation_slot_ratio": lock["generation_slots"] / ours["generation_slots"],
+        "same_rows": same_rows,
+        "ours": ours, "lockstep": lock,
+        "episode_length": {"histogram": {str(k): hist[k] for k in sorted(hist)},
+                           "mean": statistics.fmean(lengths), "min": min(lengths), "max": max(lengths)},
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-groups", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-steps", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (identical rows in both modes)")
+    parser.add_argument("--warm-steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="also compare with N env worker processes (0: skip)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    for name in ("num_groups", "group_size", "max_steps", "max_new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.temperature < 0 or args.warm_steps < 0 or args.workers < 0:
+        parser.error("--temperature, --warm-steps and --workers must be >= 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    model, tokenizer = warm_started_model(args.warm_steps, args.seed)
+    warm_s = time.perf_counter() - t0
+    policy = TransformersPolicy(model, tokenizer, max_new_tokens=args.max_new_tokens,
+                                temperature=args.temperature, batch_size=args.num_groups * args.group_size)
+    result = compare(policy, tokenizer, args, workers=0)
+    out = {
+        "benchmark": "collector_throughput", "env": "numberline", "model": "tiny",
+        "workload": {"num_envs": args.num_groups * args.group_size, "num_groups": args.num_groups,
+                     "group_size": args.group_size, "max_steps": args.max_steps,
+                     "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                     "warm_start_steps": args.warm_steps, "seed": args.seed},
+        "repeats": args.repeats, "statistic": "median of interleaved repeats (best also given)",
+        "torch_threads": torch.get_num_threads(),
+        **result,
+        "warm_start_s": round(warm_s, 1),
+    }
+    if args.workers:
+        out["workers"] = {"num_workers": args.workers, **compare(policy, tokenizer, args, workers=args.workers)}
+    out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
