@@ -2,10 +2,12 @@
 
 Workload: NumberLine (``max_steps=10``, start-to-target distances 1..5) with ``--num-groups`` x
 ``--group-size`` environments, driven by the bundled tiny model through ``TransformersPolicy``.
-The model is first **warm-started briefly** (``--warm-steps`` supervised steps on the expert's
-responses, as ``Trainer.warm_start`` does, seeded): the half-trained policy emits valid actions but
-does not always walk straight to the target, so episodes end at very different steps (some at step
-1-2, some at the 10-step limit). The episode-length distribution actually collected is reported.
+The model is first **warm-started briefly** (``--warm-steps`` = 60 supervised steps on the
+expert's responses, as ``Trainer.warm_start`` does, seeded; cached in the temp folder): the
+half-trained policy emits valid actions but does not always walk straight to the target, so
+episodes end at very different steps. With the defaults (32 envs, greedy, seed 0) the lengths are
+8 x 1, 8 x 2, 4 x 3 and 12 x 10 steps (the 10-step limit); the distribution actually collected is
+reported in ``episode_length``.
 
 Decoding is greedy by default (``--temperature 0``): every prompt gets the same response in both
 modes, so both collect the *same rows* (checked: ``same_rows``), and the comparison is purely one
@@ -28,7 +30,7 @@ processes (``make_env(..., num_workers=N)``), reported under ``workers``.
 Prints one JSON object as the LAST line::
 
     python benchmarks/collector_throughput.py [--num-groups 8] [--group-size 4] [--repeats 3]
-                                              [--warm-steps 30] [--temperature 0] [--workers 2]
+                                              [--warm-steps 60] [--temperature 0] [--workers 2]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -58,9 +61,15 @@ from torchrl_agent.trainers.warm_start import expert_rows, supervised_step  # no
 
 
 def warm_started_model(steps: int, seed: int):
-    """The tiny model after ``steps`` supervised steps on NumberLine's expert (as the trainer does)."""
+    """The tiny model after ``steps`` supervised steps on NumberLine's expert (as the trainer does).
+
+    The weights are cached in the temp folder (``torchrl_agent_bench/``), keyed by steps and seed."""
     cfg = compose_config([f"seed={seed}", f"warm_start.steps={steps}", "progress=false"])
     model, tokenizer = load_model(cfg.model)
+    cache = os.path.join(tempfile.gettempdir(), "torchrl_agent_bench", f"numberline_warm{steps}_seed{seed}.pt")
+    if os.path.exists(cache):
+        model.load_state_dict(torch.load(cache, map_location="cpu"))
+        return model.eval(), tokenizer
     torch.manual_seed(seed)
     model.train()
     if steps:
@@ -71,6 +80,9 @@ def warm_started_model(steps: int, seed: int):
         for _ in range(steps):
             idx = torch.randint(rows.batch_size[0], (cfg.warm_start.batch_size,), generator=generator)
             supervised_step(actor, optimizer, rows[idx.tolist()])
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    torch.save(model.state_dict(), cache + ".tmp")
+    os.replace(cache + ".tmp", cache)
     return model.eval(), tokenizer
 
 
@@ -114,9 +126,9 @@ def summarise(runs: list[dict]) -> dict:
     }
 
 
-def compare(policy, tokenizer, args, workers: int) -> dict:
+def compare(policy, tokenizer, args, workers: int, repeats: int) -> dict:
     runs = {"ours": [], "lockstep": []}
-    for repeat in range(args.repeats):
+    for repeat in range(repeats):
         order = ("ours", "lockstep") if repeat % 2 == 0 else ("lockstep", "ours")
         for mode in order:
             runs[mode].append(collect_once(policy, tokenizer, args, lockstep=mode == "lockstep", workers=workers))
@@ -143,13 +155,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-steps", type=int, default=10)
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (identical rows in both modes)")
-    parser.add_argument("--warm-steps", type=int, default=30)
+    parser.add_argument("--warm-steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2, help="also compare with N env worker processes (0: skip)")
+    parser.add_argument("--worker-repeats", type=int, default=2, help="repeats of the worker-process comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     args = parser.parse_args(argv)
-    for name in ("num_groups", "group_size", "max_steps", "max_new_tokens", "repeats"):
+    for name in ("num_groups", "group_size", "max_steps", "max_new_tokens", "repeats", "worker_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0 or args.warm_steps < 0 or args.workers < 0:
@@ -161,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict:
     warm_s = time.perf_counter() - t0
     policy = TransformersPolicy(model, tokenizer, max_new_tokens=args.max_new_tokens,
                                 temperature=args.temperature, batch_size=args.num_groups * args.group_size)
-    result = compare(policy, tokenizer, args, workers=0)
+    result = compare(policy, tokenizer, args, workers=0, repeats=args.repeats)
     out = {
         "benchmark": "collector_throughput", "env": "numberline", "model": "tiny",
         "workload": {"num_envs": args.num_groups * args.group_size, "num_groups": args.num_groups,
@@ -174,7 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
         "warm_start_s": round(warm_s, 1),
     }
     if args.workers:
-        out["workers"] = {"num_workers": args.workers, **compare(policy, tokenizer, args, workers=args.workers)}
+        out["workers"] = {"num_workers": args.workers, "repeats": args.worker_repeats,
+                          **compare(policy, tokenizer, args, workers=args.workers, repeats=args.worker_repeats)}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
     print(json.dumps(out), flush=True)
     return out

@@ -19,7 +19,7 @@ Prints one JSON object as the LAST line, with ``full_over_window_episode_prompt_
 ``window_step50_over_step1`` and the per-step series ``window_prompt_tokens`` / ``full_prompt_tokens``
 (tiny tokenizer), plus the same for the other tokenizers under ``by_tokenizer``::
 
-    python benchmarks/token_cost.py [--steps 50] [--seed 0] [--data-dir /work/shared/data/alfworld] [--no-summary]
+    python benchmarks/token_cost.py [--steps 50] [--seed 0] [--data-dir ../shared/data/alfworld] [--no-summary]
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from torchrl_agent.envs.transforms import ActionProjection, FullHistory, PromptT
 from torchrl_agent.envs.transforms.summary import SummaryMemory  # noqa: E402
 from torchrl_agent.modules import LLMPolicy, TransformersPolicy  # noqa: E402
 
-DEFAULT_DATA = "/work/shared/data/alfworld"
+DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld")  # ../shared beside the checkout
 
 
 def response(task: str, action: str) -> str:

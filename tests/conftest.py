@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+#: The team's shared data (``../shared/data`` beside the checkout; read-only in CI).
+SHARED_DATA = Path(os.environ.get("TORCHRL_AGENT_SHARED_DATA",
+                                  Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 @pytest.fixture(scope="session")

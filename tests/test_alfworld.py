@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from conftest import SHARED_DATA
 from torchrl.envs.utils import check_env_specs
 
 pytest.importorskip("alfworld", reason="needs the 'alfworld' extra")  # installed in CI: never skipped there
@@ -22,7 +23,7 @@ from torchrl_agent.envs.alfworld import (  # noqa: E402
     task_type_of,
 )
 
-REAL_DATA = "/work/shared/data/alfworld"
+REAL_DATA = str(SHARED_DATA / "alfworld")
 REAL_GAME = "json_2.1.1/train/pick_heat_then_place_in_recep-Potato-None-SinkBasin-14/trial_T20190908_231731_054988"
 
 

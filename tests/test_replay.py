@@ -6,9 +6,9 @@ from __future__ import annotations
 import os
 import random
 import shutil
-from pathlib import Path
 
 import pytest
+from conftest import SHARED_DATA
 from torchrl.envs import Compose, TransformedEnv
 from torchrl.envs.utils import step_mdp
 
@@ -26,7 +26,7 @@ from torchrl_agent.modules import TransformersPolicy
 
 REAL_GAME = ("json_2.1.1/train/pick_heat_then_place_in_recep-Potato-None-SinkBasin-14/"
              "trial_T20190908_231731_054988")
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld"
+SHARED = SHARED_DATA / "alfworld"
 FORMATS = {"search": "search", "ezpoints": "json", "points24": "json", "blackjack": "json"}
 ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai", "search", "alfworld"]
 
