@@ -9,12 +9,9 @@ which transformers and vLLM then load like any Hugging Face folder. Install the 
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from torchrl_agent.models.tiny import cache_dir
+from torchrl_agent.models.tiny import cache_dir, save_model_folder
 
 __all__ = ["build_smollm2", "gguf_file"]
 
@@ -49,14 +46,4 @@ def build_smollm2(*, force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+    return save_model_folder(model, tokenizer, folder)

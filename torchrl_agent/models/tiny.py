@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_CONFIG", "build_tiny_model", "cache_dir", "tiny_corpus"]
+__all__ = ["TINY_CONFIG", "build_tiny_model", "cache_dir", "save_model_folder", "tiny_corpus"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -123,9 +123,15 @@ def build_tiny_model(seed: int = 0, *, force: bool = False) -> Path:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True,
         temperature=1.0, top_k=0, top_p=1.0,
     )
+    return save_model_folder(model, tokenizer, folder)
+
+
+def save_model_folder(model, tokenizer, folder: Path) -> Path:
+    """Save a model and its tokenizer as a Hugging Face folder, atomically: written beside the
+    target, then renamed, so a crash never leaves a half-written model."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
-    try:  # write beside the target, then rename: a crash never leaves a half-written model
+    try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         if folder.exists():
