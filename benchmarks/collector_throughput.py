@@ -20,6 +20,11 @@ same episodes). The reported times are the **median** over repeats (the best is 
 ``speedup_vs_lockstep = (lockstep time per row) / (our time per row)``; with identical rows that is
 the plain wall-clock ratio.
 
+``generation_s`` is the time spent inside ``policy.generate`` (the rest, ``other_s``, is the
+environment, the transforms and the row building); ``generation_time_ratio`` is lock-step over
+ours for that part alone, to set beside ``generation_slot_ratio`` (how many fewer prompts we
+generate for).
+
 ``tokens_per_s`` counts the tokens of the collected rows' responses (what the trainer uses);
 tokens the lock-step mode generates for environments that already finished are not counted there
 but show in ``generation_slots`` (one per prompt generated for).
@@ -92,19 +97,42 @@ def make(tokenizer, args, workers: int):
     return TransformedEnv(base, Compose(WindowMemory(2), PromptTransform(tokenizer, "numberline"), ActionProjection()))
 
 
+class _GenerationTimer:
+    """Wraps ``policy.generate`` to add up the time spent generating (the rest is env + transforms + rows)."""
+
+    def __init__(self, policy):
+        self.policy, self.generate, self.seconds = policy, policy.generate, 0.0
+
+    def __call__(self, prompts):
+        t0 = time.perf_counter()
+        try:
+            return self.generate(prompts)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __enter__(self):
+        self.policy.generate = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.policy.generate  # back to the class's method
+
+
 def collect_once(policy, tokenizer, args, *, lockstep: bool, workers: int) -> dict:
     env = make(tokenizer, args, workers)
     try:
         collector = StepCollector(env, policy, seed=args.seed, lockstep=lockstep)
-        t0 = time.perf_counter()
-        rows = collector.collect()
-        elapsed = time.perf_counter() - t0
+        with _GenerationTimer(policy) as timer:
+            t0 = time.perf_counter()
+            rows = collector.collect()
+            elapsed = time.perf_counter() - t0
     finally:
         if workers:
             env.close()
     traj = rows["traj_id"].reshape(-1)
     lengths = torch.bincount(traj - traj.min()).tolist()
-    return {"time_s": elapsed, "rows": rows.batch_size[0], "stats": dict(collector.stats), "lengths": lengths,
+    return {"time_s": elapsed, "generation_s": timer.seconds, "rows": rows.batch_size[0],
+            "stats": dict(collector.stats), "lengths": lengths,
             "actions": [str(a) for a in rows["action"]], "success": rows["success"].reshape(-1)[
                 rows["done"].reshape(-1)].float().mean().item()}
 
@@ -118,6 +146,8 @@ def summarise(runs: list[dict]) -> dict:
     return {
         "time_s_median": round(median, 3), "time_s_best": round(min(times), 3),
         "time_s_all": [round(t, 3) for t in times], "time_per_row_s_median": per_row,
+        "generation_s_median": round(statistics.median(r["generation_s"] for r in runs), 3),
+        "other_s_median": round(statistics.median(r["time_s"] - r["generation_s"] for r in runs), 3),
         "rows": rows, "generation_slots": stats["generation_slots"],
         "generated_tokens": stats["generated_tokens"],
         "env_steps_per_s": statistics.median(r["rows"] / r["time_s"] for r in runs),
@@ -141,6 +171,7 @@ def compare(policy, tokenizer, args, workers: int, repeats: int) -> dict:
         "speedup_vs_lockstep_best": (min(r["time_s"] / r["rows"] for r in runs["lockstep"])
                                      / min(r["time_s"] / r["rows"] for r in runs["ours"])),
         "generation_slot_ratio": lock["generation_slots"] / ours["generation_slots"],
+        "generation_time_ratio": lock["generation_s_median"] / ours["generation_s_median"],
         "same_rows": same_rows,
         "ours": ours, "lockstep": lock,
         "episode_length": {"histogram": {str(k): hist[k] for k in sorted(hist)},

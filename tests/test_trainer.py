@@ -24,7 +24,8 @@ def test_train_runs_end_to_end_and_writes_its_logs(tmp_path, capsys):
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2]
     for r in records[:2]:
-        for key in ("success", "episode_reward", "loss", "loss_objective", "loss_kl", "tokens_per_s", "grad_norm"):
+        for key in ("success", "episode_reward", "loss", "loss_objective", "loss_kl", "tokens_per_s", "grad_norm",
+                    "logprob_diff_max", "prompt_tokens_per_step"):
             assert key in r, key
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
@@ -42,6 +43,7 @@ def test_training_changes_the_weights_and_rewards_move_the_loss(tmp_path):
     assert rows["advantage"].shape == rows["reward"].shape
     metrics = trainer.update(rows)
     assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert metrics["logprob_diff_max"] < 1e-3  # the engine sampled from the distribution being trained
     changed = [k for k, v in trainer.model.state_dict().items() if not torch.equal(v, before[k])]
     assert changed  # a real optimizer step happened
 

@@ -47,6 +47,7 @@ class RolloutConfig:
     eval_temperature: float = 0.4
     batch_size: int = 64  # prompts per generate call
     lockstep: bool = False
+    logprob_warn_threshold: float = 0.05  # warn when engine and trainer log-probs differ by more
 
 
 @dataclass
@@ -90,6 +91,15 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases logging, on when ``project`` is set and ``wandb`` is installed."""
+
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    mode: str = "online"  # online | offline | disabled
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -98,6 +108,7 @@ class TrainConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     iterations: int = 4
     eval_every: int = 2  # evaluate on held-out seeds every k iterations (and at the first and last)
     seed: int = 0

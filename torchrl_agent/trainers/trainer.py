@@ -225,6 +225,7 @@ class Trainer:
         a = self.cfg.algorithm
         n = rows.batch_size[0]
         old = self.recompute(self.model, rows)
+        consistency = self.logprob_consistency(rows, old)
         ref = None
         if a.kl_coef > 0 and self.cfg.model.lora_rank > 0:
             with self.model.disable_adapter():
@@ -265,7 +266,23 @@ class Trainer:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
                 totals["loss"] = totals.get("loss", 0.0) + reduce_mean(scale * total.detach())
         self.sync_weights()
-        return {k: v / max(steps, 1) for k, v in totals.items()}
+        return {**{k: v / max(steps, 1) for k, v in totals.items()}, **consistency}
+
+    def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
+        """The engine's sampling log-probs against the trainer's recomputation of the same tokens
+        (before any update): they should agree; a gap means the engine samples from another
+        distribution than the one trained (stale weights, dtype, sampling settings)."""
+        sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
+        width = sampled.shape[-1]
+        mask = _pad([torch.ones(len(r)) for r in recomputed], width).bool()
+        diff = (sampled.to(mask.device) - _pad(recomputed, width).to(mask.device)).abs()[mask]
+        out = {"logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+               "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+        threshold = self.cfg.rollout.logprob_warn_threshold
+        if out["logprob_diff_max"] > threshold:
+            logger.warning("engine and trainer log-probs differ by up to %.3g (> rollout.logprob_warn_threshold=%g)",
+                           out["logprob_diff_max"], threshold)
+        return out
 
     def sync_weights(self) -> None:
         """Hands the trained weights to the rollout engine (under torchrun every rank must call it)."""
@@ -343,6 +360,7 @@ class Trainer:
         if not is_main_process():
             return self._train_worker()
         writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self.wandb = self._init_wandb()
         metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
@@ -415,13 +433,27 @@ class Trainer:
         self.history.append(record)
         metrics_file.write(json.dumps(record) + "\n")
         metrics_file.flush()
-        for k, v in record.items():
-            if isinstance(v, (int, float)) and math.isfinite(v):
-                writer.add_scalar(k, v, record["iteration"])
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        for k, v in scalars.items():
+            writer.add_scalar(k, v, record["iteration"])
+        if getattr(self, "wandb", None) is not None:
+            self.wandb.log(scalars, step=record["iteration"] + 1)
         shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                  if k in ("iteration", "success", "episode_reward", "action_valid", "loss", "tokens_per_s",
                           "eval_success", "iteration_s")}
         print("metrics " + json.dumps(shown), flush=True)
+
+    def _init_wandb(self):
+        """A Weights & Biases run when ``wandb.project`` is set and ``wandb`` is installed."""
+        if not self.cfg.wandb.project:
+            return None
+        try:
+            import wandb
+        except ImportError:
+            logger.warning("wandb.project is set but wandb is not installed: logging to JSONL and TensorBoard only")
+            return None
+        return wandb.init(project=self.cfg.wandb.project, entity=self.cfg.wandb.entity, mode=self.cfg.wandb.mode,
+                          dir=str(self.run_dir), config=dataclasses.asdict(self.cfg))
 
     def _plot(self, evals) -> None:
         try:
