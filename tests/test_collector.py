@@ -110,3 +110,22 @@ def test_token_ledger_counts_every_step(tokenizer):
     assert ledger["prompt_tokens_per_episode"] == sum(prompts) / 2
     assert ledger["response_tokens_total"] == sum(len(r) for r in rows["tokens", "response"].unbind(0))
     assert episode_metrics(rows)["prompt_tokens_total"] == ledger["prompt_tokens_total"]
+
+
+def test_collector_over_worker_processes_matches_in_process(tokenizer):
+    def env(workers):
+        base = make_env("numberline", num_groups=2, group_size=2, max_steps=5, num_workers=workers)
+        return TransformedEnv(base, Compose(WindowMemory(2), PromptTransform(tokenizer, "numberline"),
+                                            ActionProjection()))
+
+    policy = ExpertOrJunk(tokenizer, lambda p: expert_text(p) if "Position: 0" not in p else "junk")
+    local = StepCollector(env(0), policy, seed=2).collect()
+    remote_env = env(2)
+    try:
+        remote = StepCollector(remote_env, policy, seed=2).collect()
+    finally:
+        remote_env.close()
+    assert list(local["observation"]) == list(remote["observation"])
+    assert list(local["text", "prompt"]) == list(remote["text", "prompt"])
+    assert torch.equal(local["reward"], remote["reward"]) and torch.equal(local["group_id"], remote["group_id"])
+    assert not remote["worker_fault"].any()
