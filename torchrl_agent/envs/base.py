@@ -206,15 +206,19 @@ class TextEnv(EnvBase):
             if self._done[i]:  # finished earlier: the action is ignored, the state kept
                 terminated[i] = True
                 continue
-            state, r, term, success = self.games[i].step(actions[i])
-            self._states[i] = state
-            self._step_count[i] += 1
-            reward[i] = r
-            self._success[i] = bool(success)
-            terminated[i] = bool(term)
-            truncated[i] = not term and self._step_count[i] >= self.max_steps
-            self._done[i] = terminated[i] or truncated[i]
+            self._record_step(i, self.games[i].step(actions[i]), reward, terminated, truncated)
         return self._observation_td(reward, terminated, truncated)
+
+    def _record_step(self, i: int, result, reward, terminated, truncated) -> None:
+        """Book game ``i``'s ``(state, reward, terminated, success)`` into the batch arrays."""
+        state, r, term, success = result
+        self._states[i] = state
+        self._step_count[i] += 1
+        reward[i] = r
+        self._success[i] = bool(success)
+        terminated[i] = bool(term)
+        truncated[i] = not term and self._step_count[i] >= self.max_steps
+        self._done[i] = terminated[i] or truncated[i]
 
     def _observation_td(self, reward, terminated, truncated) -> TensorDictBase:
         B = self.batch_size

@@ -323,14 +323,7 @@ class ParallelTextEnv(TextEnv):
             if i not in results:  # the worker died, hung, or the game raised
                 fault[i] = truncated[i] = self._done[i] = True
                 continue
-            state, r, term, success = results[i]
-            self._states[i] = state
-            self._step_count[i] += 1
-            reward[i] = r
-            self._success[i] = bool(success)
-            terminated[i] = bool(term)
-            truncated[i] = not term and self._step_count[i] >= self.max_steps
-            self._done[i] = terminated[i] or truncated[i]
+            self._record_step(i, results[i], reward, terminated, truncated)
         td = self._observation_td(reward, terminated, truncated)
         td.set("worker_fault", torch.from_numpy(fault).unsqueeze(-1))
         return td
