@@ -95,7 +95,9 @@ class MemoryTransform(Transform):
         tensordict_reset.set("memory", NonTensorStack(*states, batch_size=[n]))
         return tensordict_reset
 
-    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+    def updated_records(self, tensordict: TensorDictBase) -> list[tuple[list[dict], int, bool]]:
+        """For each environment of a step's input: ``(records, dropped, stepped)``, the records after
+        this step. A game already done ignores the action, so its memory stays as it is."""
         n = tensordict.batch_size[0]
         states = _strings(tensordict.get("memory", None), n)
         observations = _strings(tensordict.get("observation", None), n)
@@ -105,12 +107,20 @@ class MemoryTransform(Transform):
         valid = [True] * n if valid is None else valid.reshape(n).tolist()
         steps = tensordict.get("step_count", None)
         steps = [0] * n if steps is None else steps.reshape(n).tolist()
+        done = tensordict.get("done", None)
+        done = [False] * n if done is None else done.reshape(n).tolist()
         out = []
         for i in range(n):
             records, dropped = self.loads(states[i])
-            record = self.make_record(steps[i], observations[i], actions[i], responses[i], valid[i])
-            out.append(self.dumps(self.update(records, record), dropped))
-        next_tensordict.set("memory", NonTensorStack(*out, batch_size=[n]))
+            if not done[i]:
+                records = self.update(records, self.make_record(steps[i], observations[i], actions[i],
+                                                                responses[i], valid[i]))
+            out.append((records, dropped, not done[i]))
+        return out
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        out = [self.dumps(records, dropped) for records, dropped, _ in self.updated_records(tensordict)]
+        next_tensordict.set("memory", NonTensorStack(*out, batch_size=[len(out)]))
         return next_tensordict
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:

@@ -156,27 +156,11 @@ class SummaryMemory(MemoryTransform):
     # ---------------------------------------------------------------- TorchRL plumbing
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         n = tensordict.batch_size[0]
-        states = _strings(tensordict.get("memory", None), n)
-        observations = _strings(tensordict.get("observation", None), n)
-        actions = _strings(tensordict.get("action", None), n)
-        responses = _strings(tensordict.get(("text", "response"), None), n)
         tasks = _strings(tensordict.get("task", None), n)
-        valid = tensordict.get("action_valid", None)
-        valid = [True] * n if valid is None else valid.reshape(n).tolist()
-        steps = tensordict.get("step_count", None)
-        steps = [0] * n if steps is None else steps.reshape(n).tolist()
-        done = tensordict.get("done", None)
-        done = [False] * n if done is None else done.reshape(n).tolist()
-        new_records, dropped, due = [], [], []
-        for i in range(n):
-            records, d = self.loads(states[i])
-            if not done[i]:  # a finished game ignores the action: its memory stays as it is
-                record = self.make_record(steps[i], observations[i], actions[i], responses[i], valid[i])
-                records = self.update(records, record)
-                if self.pending(records):
-                    due.append(i)
-            new_records.append(records)
-            dropped.append(d)
+        updated = self.updated_records(tensordict)
+        new_records = [records for records, _, _ in updated]
+        dropped = [d for _, d, _ in updated]
+        due = [i for i, (records, _, stepped) in enumerate(updated) if stepped and self.pending(records)]
         if due:  # one batched call for every environment that needs a new summary
             if self.summarizer is None:
                 raise RuntimeError("SummaryMemory: a summary is due but summarizer is None; pass "
