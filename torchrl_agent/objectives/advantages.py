@@ -36,11 +36,12 @@ from tensordict import NestedKey, TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from torchrl_agent.objectives import functional as F
+from torchrl_agent.objectives._keys import KeysMixin
 
 __all__ = ["GiGPOAdvantage", "GRPOAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage"]
 
 
-class _RowAdvantage(Transform):
+class _RowAdvantage(KeysMixin, Transform):
     """Base class: key handling (``_AcceptedKeys`` + ``set_keys``), shape checks, write."""
 
     @dataclass
@@ -70,20 +71,6 @@ class _RowAdvantage(Transform):
         self.invalid_penalty = float(invalid_penalty)
         self.write_only = bool(write_only)
         self._tensor_keys = self._AcceptedKeys()
-
-    @property
-    def tensor_keys(self) -> _AcceptedKeys:
-        return self._tensor_keys
-
-    def set_keys(self, **kwargs) -> None:
-        """Sets tensordict key names, e.g. ``adv.set_keys(reward=("next", "reward"))``; ``None`` resets."""
-        for key, value in kwargs.items():
-            if key not in self._AcceptedKeys.__dataclass_fields__:
-                raise ValueError(
-                    f"{key} is not an accepted tensordict key. Accepted keys are: "
-                    f"{list(self._AcceptedKeys.__dataclass_fields__)}."
-                )
-            setattr(self._tensor_keys, key, value if value is not None else getattr(self.default_keys(), key))
 
     def _get(self, td: TensorDictBase, name: str, required: bool = True) -> torch.Tensor | None:
         key = getattr(self.tensor_keys, name)

@@ -13,6 +13,7 @@ import torch
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 
+from torchrl_agent.objectives._keys import KeysMixin
 from torchrl_agent.objectives.functional import _as_1d, _check_ids, _check_reward, _dense_ids
 
 __all__ = ["informative_group_mask", "DynamicSamplingFilter", "DynamicSamplingAccumulator"]
@@ -47,7 +48,7 @@ def informative_group_mask(
     return ((gmax - gmin) > atol)[ginv]
 
 
-class DynamicSamplingFilter(TensorDictModuleBase):
+class DynamicSamplingFilter(KeysMixin, TensorDictModuleBase):
     """Keeps the rows of informative groups (see :func:`informative_group_mask`).
 
     Input: a rows TensorDict, batch [N], with ``reward`` [N,1], ``group_id`` [N], ``traj_id`` [N]
@@ -69,19 +70,10 @@ class DynamicSamplingFilter(TensorDictModuleBase):
         super().__init__()
         self.atol = atol
         self._tensor_keys = self._AcceptedKeys()
-        self.in_keys = [self._tensor_keys.reward, self._tensor_keys.group_id, self._tensor_keys.traj_id]
         self.out_keys = []
+        self._keys_changed()
 
-    @property
-    def tensor_keys(self) -> _AcceptedKeys:
-        return self._tensor_keys
-
-    def set_keys(self, **kwargs) -> None:
-        """Sets tensordict key names; ``None`` resets to the default."""
-        for key, value in kwargs.items():
-            if key not in self._AcceptedKeys.__dataclass_fields__:
-                raise ValueError(f"{key} is not an accepted key; accepted: {list(self._AcceptedKeys.__dataclass_fields__)}.")
-            setattr(self._tensor_keys, key, value if value is not None else getattr(self.default_keys(), key))
+    def _keys_changed(self) -> None:
         self.in_keys = [self._tensor_keys.reward, self._tensor_keys.group_id, self._tensor_keys.traj_id]
 
     def mask(self, rows: TensorDictBase) -> torch.Tensor:
