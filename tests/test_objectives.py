@@ -20,9 +20,22 @@ from torchrl_agent.objectives import (
     GiGPOAdvantage,
     GRPOAdvantage,
     PPOLoss,
+    AdaptiveKLController,
+    FixedKLController,
+    GRPOPassKAdvantage,
     ReinforcePlusPlusAdvantage,
+    ReinforcePlusPlusBaselineAdvantage,
+    ReMaxAdvantage,
     RLOOAdvantage,
     aggregate,
+    episode_scores,
+    grpo_passk_advantage,
+    kl_estimate,
+    kl_in_reward,
+    masked_whiten,
+    reinforce_pp_baseline_advantage,
+    remax_advantage,
+    token_reinforce_pp,
     discounted_step_returns,
     gigpo_advantage,
     grpo_advantage,
@@ -146,8 +159,8 @@ def test_rloo_by_hand():
 def test_reinforce_pp_by_hand():
     # groups {0: [2, 0]}, {1: [5, 5]} -> centred [1, -1, 0, 0] -> whitened over the batch
     out = reinforce_pp_advantage(t([2.0, 0.0, 5.0, 5.0]), ids([0, 0, 1, 1]), ids([0, 1, 2, 3]))
-    sd = math.sqrt(2 / 3)
-    torch.testing.assert_close(out, t([1 / (sd + EPS), -1 / (sd + EPS), 0.0, 0.0]))
+    var = 2 / 3  # the reference: (x - mean) * rsqrt(var + 1e-8)
+    torch.testing.assert_close(out, t([1 / math.sqrt(var + 1e-8), -1 / math.sqrt(var + 1e-8), 0.0, 0.0]))
 
 
 @pytest.mark.parametrize("value", [1.4, -0.1, 8.9, 0.7])
@@ -330,7 +343,8 @@ def test_advantage_modules_match_functional():
         (GiGPOAdvantage(gamma=0.9, norm="mean"), gigpo_advantage(r, g, tr, s, a, v, gamma=0.9, norm="mean")),
         (GRPOAdvantage(), grpo_advantage(r, g, tr, v)),
         (RLOOAdvantage(invalid_penalty=0.5), rloo_advantage(r, g, tr, v, invalid_penalty=0.5)),
-        (ReinforcePlusPlusAdvantage(), reinforce_pp_advantage(r, g, tr, v)),
+        (ReinforcePlusPlusBaselineAdvantage(), reinforce_pp_advantage(r, g, tr, v)),
+        (GRPOPassKAdvantage(), grpo_passk_advantage(r, g, tr, v)),
     ]
     for module, expected in cases:
         out = module(rows.clone())
@@ -617,3 +631,244 @@ def test_readme_example():
     loss.backward()
     assert set(out.keys()) >= {"loss_objective", "loss_kl", "clip_fraction", "kl", "ratio_mean"}
     assert log_prob.grad.shape == (n, tt) and log_prob.grad[:6].abs().sum() > 0
+
+
+# --------------------------------------------------------------------------- reference loops
+# Each function below restates one formula of the reference (verl-agent's core_algos.py /
+# core_gigpo.py) as a plain loop over rows and tokens, on padded [N, T] tensors whose response
+# tokens sit at the left of each row, as the reference lays them out.
+def ref_masked_whiten(x, mask):
+    m = mask.to(x.dtype)
+    mean = (x * m).sum() / (m.sum() + 1e-8)
+    var = (((x - mean) ** 2) * m).sum() / (m.sum() + 1e-8) * (m.sum() / (m.sum() - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def ref_scores(reward, traj, valid, c):
+    episode = defaultdict(float)
+    for r, tr in zip(reward.tolist(), traj.tolist()):
+        episode[tr] += r
+    return t([episode[tr] - c * (1 - int(v)) for tr, v in zip(traj.tolist(), valid.tolist())])
+
+
+def ref_token_rewards(scores, lengths, width):
+    out = torch.zeros(len(scores), width, dtype=torch.float64)
+    for i, (s, n) in enumerate(zip(scores.tolist(), lengths.tolist())):
+        if n:
+            out[i, n - 1] = s
+    return out
+
+
+def _token_case(seed, n_groups=4, per_group=5, width=7):
+    g = torch.Generator().manual_seed(seed)
+    group = torch.arange(n_groups).repeat_interleave(per_group)
+    n = len(group)
+    traj = group * 10 + torch.randint(0, 3, (n,), generator=g)  # several rows per trajectory
+    reward = torch.randint(-2, 5, (n,), generator=g).double() * 0.5
+    valid = torch.rand(n, generator=g) > 0.2
+    lengths = torch.randint(1, width + 1, (n,), generator=g)
+    mask = torch.arange(width)[None, :] < lengths[:, None]
+    return reward, group, traj, valid, lengths, mask
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_reinforce_pp_baseline_whitens_over_tokens_like_the_reference(seed):
+    reward, group, traj, valid, lengths, mask = _token_case(seed)
+    scores = ref_scores(reward, traj, valid, 0.1)
+    by_group = defaultdict(list)
+    for s_, gid in zip(scores.tolist(), group.tolist()):
+        by_group[gid].append(s_)
+    centred = t([s_ - (sum(by_group[gid]) / len(by_group[gid]) if len(by_group[gid]) > 1 else 0.0)
+                 for s_, gid in zip(scores.tolist(), group.tolist())])
+    expected = ref_masked_whiten(centred[:, None].expand(mask.shape) * mask, mask)
+    out = reinforce_pp_baseline_advantage(reward, group, traj, valid, lengths)
+    torch.testing.assert_close((out[:, None] * mask), expected * mask, atol=1e-6, rtol=1e-6)
+    # rows whitening (the former behaviour) differs whenever the lengths differ
+    assert not torch.allclose(out, reinforce_pp_baseline_advantage(reward, group, traj, valid), atol=1e-3)
+    td = TensorDict(reward=reward[:, None], group_id=group, traj_id=traj, action_valid=valid[:, None],
+                    response_tokens=lengths[:, None], batch_size=[len(group)])
+    torch.testing.assert_close(ReinforcePlusPlusBaselineAdvantage()(td)["advantage"].squeeze(-1), out)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+def test_token_reinforce_pp_matches_reference_loop(gamma):
+    reward, group, traj, valid, lengths, mask = _token_case(3)
+    scores = ref_scores(reward, traj, valid, 0.1)
+    rewards = ref_token_rewards(scores, lengths, mask.shape[1])
+    kl_reward = -0.01 * torch.rand(mask.shape, generator=torch.Generator().manual_seed(9)).double() * mask
+    rewards = rewards + kl_reward
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(len(rewards), dtype=torch.float64)
+    for k in reversed(range(rewards.shape[1])):
+        running = rewards[:, k] + gamma * running
+        returns[:, k] = running
+        running = running * mask[:, k]
+    expected = ref_masked_whiten(returns, mask) * mask
+    adv, ret = token_reinforce_pp(scores, mask, gamma=gamma, token_rewards=kl_reward)
+    torch.testing.assert_close(adv, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ret, returns * mask)
+    td = TensorDict(reward=reward[:, None], group_id=group, traj_id=traj, action_valid=valid[:, None],
+                    response_tokens=lengths[:, None], token_reward=kl_reward, batch_size=[len(group)])
+    torch.testing.assert_close(ReinforcePlusPlusAdvantage(gamma=gamma)(td)["advantage"], adv)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_grpo_passk_matches_reference_loop(seed):
+    reward, group, traj, valid, _, _ = _token_case(seed)
+    scores = ref_scores(reward, traj, valid, 0.1)
+    expected = torch.zeros_like(scores)
+    rows = defaultdict(list)
+    for i, gid in enumerate(group.tolist()):
+        rows[gid].append(i)
+    for members in rows.values():
+        vals = scores[members]
+        top, idx = torch.topk(vals, 2)
+        if top[0] > top[1]:  # a unique best row (a tie gives 0 whichever row topk names)
+            expected[members[int(idx[0])]] = (top[0] - top[1]) / (torch.std(vals) + 1e-6)
+    torch.testing.assert_close(grpo_passk_advantage(reward, group, traj, valid), expected)
+    assert (grpo_passk_advantage(reward, group, traj, valid) != 0).sum() <= len(rows)
+
+
+def test_remax_is_score_minus_greedy_baseline():
+    reward, group, traj, valid, _, _ = _token_case(4)
+    baseline = t([float(gid) for gid in group.tolist()])
+    expected = ref_scores(reward, traj, valid, 0.1) - baseline
+    torch.testing.assert_close(remax_advantage(reward, traj, baseline, valid), expected)
+    td = TensorDict(reward=reward[:, None], group_id=group, traj_id=traj, action_valid=valid[:, None],
+                    reward_baseline=baseline[:, None], kl_penalty=torch.full((len(group), 1), 0.5, dtype=torch.float64),
+                    batch_size=[len(group)])
+    torch.testing.assert_close(ReMaxAdvantage()(td)["advantage"].squeeze(-1), expected - 0.5)
+
+
+@pytest.mark.parametrize("gamma, lmbda", [(1.0, 1.0), (0.9, 0.8)])
+def test_token_gae_matches_reference_loop(gamma, lmbda):
+    reward, group, traj, valid, lengths, mask = _token_case(5)
+    scores = ref_scores(reward, traj, valid, 0.1)
+    values = torch.randn(mask.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * mask
+    rewards = ref_token_rewards(scores, lengths, mask.shape[1])
+    last, rev = 0.0, []
+    for k in reversed(range(rewards.shape[1])):
+        nxt = values[:, k + 1] if k < rewards.shape[1] - 1 else 0.0
+        delta = rewards[:, k] + gamma * nxt - values[:, k]
+        last = delta + gamma * lmbda * last
+        rev.append(last)
+    adv = torch.stack(rev[::-1], 1)
+    ret = adv + values
+    ours_adv, ours_ret = token_gae(values, mask, scores, gamma=gamma, lmbda=lmbda)
+    torch.testing.assert_close(ours_ret, ret * mask)
+    torch.testing.assert_close(ours_adv, ref_masked_whiten(adv, mask) * mask, atol=1e-6, rtol=1e-6)
+
+
+def test_kl_estimators_match_the_reference():
+    g = torch.Generator().manual_seed(0)
+    logp, ref = -torch.rand(4, 6, generator=g) * 3, -torch.rand(4, 6, generator=g) * 3
+    ref[0, 0] = logp[0, 0] - 30.0  # k3 clamps at 10
+    d = logp - ref
+    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), d)
+    torch.testing.assert_close(kl_estimate(logp, ref, "abs"), d.abs())
+    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), 0.5 * d * d)
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), torch.clamp(torch.exp(ref - logp) - (ref - logp) - 1, -10, 10))
+    assert kl_estimate(logp, ref, "k3")[0, 0] == 10.0
+    with pytest.raises(ValueError, match="kl_type"):
+        ClipPolicyLoss(kl_type="k4")
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    lp = logp.clone().requires_grad_()
+    td = TensorDict(log_prob=lp, old_log_prob=logp, ref_log_prob=ref, mask=mask, advantage=torch.zeros(4),
+                    batch_size=[4])
+    for kind in ("k1", "k2", "k3", "abs"):
+        out = ClipPolicyLoss(kl_coef=0.5, kl_type=kind, entropy_coef=0)(td)
+        torch.testing.assert_close(out["loss_kl"], 0.5 * kl_estimate(logp, ref, kind).mean())
+
+
+def test_kl_in_reward_fixed_and_adaptive_controllers():
+    g = torch.Generator().manual_seed(0)
+    old, ref = -torch.rand(3, 4, generator=g), -torch.rand(3, 4, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    ctrl = FixedKLController(0.1)
+    token_reward, row_penalty, metrics = kl_in_reward(old, ref, mask, ctrl, "k1")
+    kl = (old - ref) * mask
+    torch.testing.assert_close(token_reward, -0.1 * kl)
+    torch.testing.assert_close(row_penalty, 0.1 * kl.sum(-1))
+    current = float((kl.sum(-1) / mask.sum(-1)).mean())
+    assert metrics["reward_kl"] == pytest.approx(current) and ctrl.value == 0.1
+    # adaptive: the reference's loop, value *= 1 + clip(kl / target - 1, -0.2, 0.2) * n / horizon
+    ctrl, value = AdaptiveKLController(0.1, target=0.01, horizon=100), 0.1
+    for _ in range(3):
+        _, _, m = kl_in_reward(old, ref, mask, ctrl, "k1")
+        value *= 1 + max(-0.2, min(0.2, m["reward_kl"] / 0.01 - 1)) * 3 / 100
+    assert ctrl.value == pytest.approx(value) and ctrl.value != 0.1
+
+
+def test_seq_mean_token_sum_norm_aggregation():
+    value = t([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0], [9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 0, 0]], dtype=torch.bool)
+    # rows with tokens: (6 / L + 4 / L) / 2
+    assert aggregate(value, mask, "seq-mean-token-sum-norm").item() == pytest.approx((6 / 3 + 4 / 3) / 2)
+    assert aggregate(value, mask, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(0.5)
+
+
+def test_gspo_gradient_equals_the_reference_form():
+    g = torch.Generator().manual_seed(0)
+    n, width = 5, 6
+    old = -torch.rand(n, width, generator=g)
+    logp0 = old + 0.3 * torch.randn(n, width, generator=g)
+    mask = torch.arange(width)[None, :] < torch.tensor([6, 3, 1, 4, 5])[:, None]
+    adv = torch.randn(n, generator=g)
+    # the reference: log s_t = logp - sg(logp) + sg(mean(logp - old)), clamp(max=10); no dual clip;
+    # seq-mean-token-mean whatever the configured aggregation
+    lp_ref = logp0.clone().requires_grad_()
+    seq = ((lp_ref - old) * mask).sum(-1) / mask.sum(-1)
+    log_s = torch.clamp(lp_ref - lp_ref.detach() + seq.detach()[:, None], max=10.0)
+    s_ = torch.exp(log_s)
+    a = adv[:, None]
+    losses = torch.maximum(-a * s_, -a * torch.clamp(s_, 1 - 3e-4, 1 + 4e-4))
+    ref_loss = ((losses * mask).sum(-1) / mask.sum(-1)).mean()
+    ref_loss.backward()
+    lp = logp0.clone().requires_grad_()
+    td = TensorDict(log_prob=lp, old_log_prob=old, mask=mask, advantage=adv, batch_size=[n])
+    loss = ClipPolicyLoss(eps_low=3e-4, eps_high=4e-4, ratio="sequence", max_log_ratio=10.0, kl_coef=0,
+                          entropy_coef=0, dual_clip=3.0, aggregation="token-mean")(td)["loss_objective"]
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(lp.grad, lp_ref.grad)
+
+
+def test_gigpo_similarity_threshold_uses_reference_clusters():
+    texts = ["you are in the kitchen", "you are in the kitchen.", "a completely different text",
+             "you are in the kitchen", "a completely different text!", "elsewhere"]
+    group = ids([0, 0, 0, 0, 1, 1])
+    rows = TensorDict(reward=t([0.0, 1.0, 0.0, 0.5, 1.0, 0.0])[:, None], group_id=group, traj_id=ids([0, 0, 1, 1, 2, 3]),
+                      step_count=ids([0, 1, 0, 1, 0, 0])[:, None], anchor=ids([1, 2, 3, 4, 5, 6]),
+                      batch_size=[6])
+    rows["observation"] = texts
+    out = GiGPOAdvantage(similarity_threshold=0.9)(rows.clone())["advantage"].squeeze(-1)
+    anchors = ids(_reference_clusters(texts, group.tolist(), 0.9))
+    expected = gigpo_advantage(rows["reward"], group, rows["traj_id"], rows["step_count"], anchors)
+    torch.testing.assert_close(out, expected)
+    exact = GiGPOAdvantage()(rows.clone())["advantage"].squeeze(-1)
+    assert not torch.allclose(out, exact)  # the clusters merged near-identical observations
+
+
+def test_dapo_accumulator_keeps_everything_without_trim_and_fills():
+    informative = _dapo_rows([0, 0, 1, 1], [0, 1, 2, 3], [0.0, 1.0, 1.0, 0.0])
+    flat = _dapo_rows([0, 0, 1, 1], [0, 1, 2, 3], [1.0, 1.0, 0.0, 0.0])
+    tries = iter([flat, informative, informative])
+    acc = DynamicSamplingAccumulator(target_groups=3, max_tries=10, trim=False)
+    batch = acc.fill(lambda: next(tries))
+    assert acc.last_tries == 3 and batch["group_id"].tolist() == [0, 0, 1, 1, 2, 2, 3, 3]  # 4 >= 3 groups, all kept
+    acc = DynamicSamplingAccumulator(target_groups=3, max_tries=2, trim=False)
+    batch = acc.fill(lambda: flat)  # the second (last) try keeps everything
+    assert acc.last_tries == 2 and batch.numel() == 4
+
+
+def test_score_penalty_enters_every_row_estimator():
+    reward, group, traj, valid, _, _ = _token_case(6)
+    pen = torch.rand(len(group), generator=torch.Generator().manual_seed(2)).double()
+    scores = episode_scores(reward, traj, valid) - pen
+    # with a penalty, GRPO equals GRPO on the penalised scores (one row per trajectory)
+    one = torch.arange(len(group))
+    torch.testing.assert_close(grpo_advantage(reward, group, traj, valid, score_penalty=pen),
+                               grpo_advantage(scores, group, one))
+    td = TensorDict(reward=reward[:, None], group_id=group, traj_id=traj, action_valid=valid[:, None],
+                    kl_penalty=pen[:, None], batch_size=[len(group)])
+    torch.testing.assert_close(RLOOAdvantage()(td)["advantage"].squeeze(-1), rloo_advantage(scores, group, one))

@@ -1,8 +1,9 @@
-"""TensorDict advantage modules (GiGPO, GRPO, RLOO, REINFORCE++) over :mod:`.functional`.
+"""TensorDict advantage modules over :mod:`.functional` (formulas: ``docs/algorithms.md``).
 
 Each module reads a TensorDict of **rows** (batch ``[N]``, one row per environment step, all
-rows of finished groups) and writes ``advantage`` ``[N, 1]`` (same dtype as ``reward``).
-Default keys (data contract, ``DESIGN.md``), all overridable with :meth:`set_keys`:
+rows of finished groups) and writes ``advantage`` ``[N, 1]`` (same dtype as ``reward``; the
+token-level :class:`ReinforcePlusPlusAdvantage` writes ``[N, T]``).
+Default keys (the data contract of the README), all overridable with :meth:`set_keys`:
 
 ============== ============= ===========================================================
 key            shape/dtype   meaning
@@ -13,6 +14,11 @@ key            shape/dtype   meaning
 ``step_count`` [N,1] int64   step index of the row (0 for the first step) -- GiGPO only
 ``anchor``     [N] int64     anchor-state hash -- GiGPO only
 ``action_valid`` [N,1] bool  response followed the format (missing: all valid)
+``kl_penalty`` [N,1] float   optional: subtracted from the row's score (KL in the reward)
+``observation`` [N] str      anchor text -- GiGPO with ``similarity_threshold`` only
+``response_tokens`` [N,1]    response length -- REINFORCE++ (token whitening / discounting)
+``token_reward`` [N,T] float optional per-token reward (KL in the reward) -- REINFORCE++ only
+``reward_baseline`` [N,1]    greedy episode reward of the row's group -- ReMax only
 ``advantage``  [N,1] float   written
 ============== ============= ===========================================================
 
@@ -38,7 +44,8 @@ from torchrl.envs.transforms import Transform
 from torchrl_agent.objectives import functional as F
 from torchrl_agent.objectives._keys import KeysMixin
 
-__all__ = ["GiGPOAdvantage", "GRPOAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage"]
+__all__ = ["GiGPOAdvantage", "GRPOAdvantage", "GRPOPassKAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
+           "ReinforcePlusPlusBaselineAdvantage", "ReMaxAdvantage"]
 
 
 class _RowAdvantage(KeysMixin, Transform):
@@ -49,7 +56,8 @@ class _RowAdvantage(KeysMixin, Transform):
         """Configurable tensordict keys (see the module docstring for shapes).
 
         Attributes:
-            reward, group_id, traj_id, step_count, anchor, action_valid: input keys.
+            reward, group_id, traj_id, step_count, anchor, action_valid, kl_penalty,
+            anchor_text, response_tokens, token_reward, reward_baseline: input keys.
             advantage: output key.
         """
 
@@ -59,6 +67,11 @@ class _RowAdvantage(KeysMixin, Transform):
         step_count: NestedKey = "step_count"
         anchor: NestedKey = "anchor"
         action_valid: NestedKey = "action_valid"
+        kl_penalty: NestedKey = "kl_penalty"
+        anchor_text: NestedKey = "observation"
+        response_tokens: NestedKey = "response_tokens"
+        token_reward: NestedKey = "token_reward"
+        reward_baseline: NestedKey = "reward_baseline"
         advantage: NestedKey = "advantage"
 
     default_keys = _AcceptedKeys
@@ -71,6 +84,7 @@ class _RowAdvantage(KeysMixin, Transform):
         self.invalid_penalty = float(invalid_penalty)
         self.write_only = bool(write_only)
         self._tensor_keys = self._AcceptedKeys()
+        self._td = None  # the rows being computed (optional keys are read from it)
 
     def _get(self, td: TensorDictBase, name: str, required: bool = True) -> torch.Tensor | None:
         key = getattr(self.tensor_keys, name)
@@ -82,6 +96,10 @@ class _RowAdvantage(KeysMixin, Transform):
     def _compute(self, reward, group_id, traj_id, valid, step, anchor) -> torch.Tensor:
         raise NotImplementedError
 
+    def _penalty(self) -> torch.Tensor | None:
+        """The optional ``kl_penalty`` of the rows being computed (set by :meth:`compute`)."""
+        return self._td.get(self.tensor_keys.kl_penalty, None)
+
     def compute(self, tensordict: TensorDictBase) -> TensorDictBase:
         """Writes ``advantage`` [N, 1] into ``tensordict`` (batch [N]) in place and returns it."""
         if tensordict.ndim != 1:
@@ -92,6 +110,7 @@ class _RowAdvantage(KeysMixin, Transform):
         reward = self._get(tensordict, "reward")
         step = self._get(tensordict, "step_count") if self._needs_steps else None
         anchor = self._get(tensordict, "anchor") if self._needs_steps else None
+        self._td = tensordict
         adv = self._compute(
             reward,
             self._get(tensordict, "group_id"),
@@ -100,7 +119,8 @@ class _RowAdvantage(KeysMixin, Transform):
             step,
             anchor,
         )
-        tensordict.set(self.tensor_keys.advantage, adv.unsqueeze(-1))
+        self._td = None
+        tensordict.set(self.tensor_keys.advantage, adv.unsqueeze(-1) if adv.ndim == 1 else adv)
         return tensordict
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
@@ -137,52 +157,125 @@ class GRPOAdvantage(_RowAdvantage):
 
     def _compute(self, reward, group_id, traj_id, valid, step, anchor):
         return F.grpo_advantage(reward, group_id, traj_id, valid, invalid_penalty=self.invalid_penalty,
-                                norm=self.norm, eps=self.eps)
+                                norm=self.norm, eps=self.eps, score_penalty=self._penalty())
 
 
 class GiGPOAdvantage(GRPOAdvantage):
     """GiGPO advantage ``A_E + omega * A_S``, see :func:`~.functional.gigpo_advantage`.
 
     Also reads ``step_count`` [N,1] int64 (step index, 0 first; only the order inside a
-    trajectory matters) and ``anchor`` [N] int64 (equal anchor = same state; for text anchors
-    use :func:`~.functional.similarity_anchor_ids`).
+    trajectory matters) and ``anchor`` [N] int64 (equal anchor = same state). With
+    ``similarity_threshold`` set, anchors are instead the clusters of
+    :func:`~.functional.similarity_anchor_ids` over the ``anchor_text`` strings (default key
+    ``observation``), the reference's ``enable_similarity`` (used for Search, threshold 0.9).
 
     Keyword Args:
         gamma (float): step-return discount. Defaults to 0.95.
         omega (float): weight of the step term. Defaults to 1.0.
+        similarity_threshold (float, optional): in (0, 1]; ``None`` (default): exact anchors.
         invalid_penalty, norm, eps, write_only: as :class:`GRPOAdvantage`.
     """
 
     _needs_steps = True
 
     def __init__(self, *, gamma: float = 0.95, omega: float = 1.0, invalid_penalty: float = 0.1,
-                 norm: F.Norm = "mean_std", eps: float = 1e-6, write_only: bool = False) -> None:
+                 norm: F.Norm = "mean_std", eps: float = 1e-6, similarity_threshold: float | None = None,
+                 write_only: bool = False) -> None:
         super().__init__(invalid_penalty=invalid_penalty, norm=norm, eps=eps, write_only=write_only)
         if not 0.0 <= gamma <= 1.0:
             raise ValueError(f"`gamma` must be in [0, 1], got {gamma}.")
+        if similarity_threshold is not None and not 0.0 < similarity_threshold <= 1.0:
+            raise ValueError(f"`similarity_threshold` must be in (0, 1] or None, got {similarity_threshold}.")
         self.gamma, self.omega = float(gamma), float(omega)
+        self.similarity_threshold = similarity_threshold
 
     def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        if self.similarity_threshold is not None:
+            texts = self._get(self._td, "anchor_text")
+            texts = texts.tolist() if hasattr(texts, "tolist") else list(texts)
+            anchor = F.similarity_anchor_ids([str(t) for t in texts], group_id,
+                                             threshold=self.similarity_threshold).to(group_id.device)
         return F.gigpo_advantage(reward, group_id, traj_id, step, anchor, valid, gamma=self.gamma,
                                  omega=self.omega, invalid_penalty=self.invalid_penalty, norm=self.norm,
-                                 eps=self.eps)
+                                 eps=self.eps, score_penalty=self._penalty())
 
 
 class RLOOAdvantage(_RowAdvantage):
     """RLOO advantage ``(S_row - mean_group) * n / (n - 1)``, see :func:`~.functional.rloo_advantage`."""
 
     def _compute(self, reward, group_id, traj_id, valid, step, anchor):
-        return F.rloo_advantage(reward, group_id, traj_id, valid, invalid_penalty=self.invalid_penalty)
+        return F.rloo_advantage(reward, group_id, traj_id, valid, invalid_penalty=self.invalid_penalty,
+                                score_penalty=self._penalty())
 
 
-class ReinforcePlusPlusAdvantage(_RowAdvantage):
-    """REINFORCE++ (baseline): ``S_row - mean_group`` whitened over the batch, see
-    :func:`~.functional.reinforce_pp_advantage`."""
+class GRPOPassKAdvantage(GRPOAdvantage):
+    """GRPO pass@k: only the best row of a group gets ``(S_max - S_2nd) / (std + eps)``, see
+    :func:`~.functional.grpo_passk_advantage`. Keyword arguments as :class:`GRPOAdvantage`."""
 
-    def __init__(self, *, invalid_penalty: float = 0.1, eps: float = 1e-6, write_only: bool = False) -> None:
+    def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        return F.grpo_passk_advantage(reward, group_id, traj_id, valid, invalid_penalty=self.invalid_penalty,
+                                      norm=self.norm, eps=self.eps, score_penalty=self._penalty())
+
+
+class ReinforcePlusPlusBaselineAdvantage(_RowAdvantage):
+    """REINFORCE++-baseline: ``S_row - mean_group`` whitened over the batch's **tokens** (each row
+    weighs its ``response_tokens``), see :func:`~.functional.reinforce_pp_baseline_advantage`.
+    Without a ``response_tokens`` key, rows weigh 1.
+
+    Keyword Args:
+        invalid_penalty (float): as :class:`GRPOAdvantage`.
+        eps (float): added to the variance. Defaults to 1e-8.
+    """
+
+    def __init__(self, *, invalid_penalty: float = 0.1, eps: float = 1e-8, write_only: bool = False) -> None:
         super().__init__(invalid_penalty=invalid_penalty, write_only=write_only)
         self.eps = eps
 
     def _compute(self, reward, group_id, traj_id, valid, step, anchor):
-        return F.reinforce_pp_advantage(reward, group_id, traj_id, valid, invalid_penalty=self.invalid_penalty,
-                                        eps=self.eps)
+        return F.reinforce_pp_baseline_advantage(reward, group_id, traj_id, valid,
+                                                 self._get(self._td, "response_tokens", required=False),
+                                                 invalid_penalty=self.invalid_penalty, eps=self.eps,
+                                                 score_penalty=self._penalty())
+
+
+class ReinforcePlusPlusAdvantage(_RowAdvantage):
+    """REINFORCE++ (token-discounted, the reference's ``reinforce_plus_plus``): writes a per-token
+    ``advantage`` [N, T] (``T`` the longest response), see :func:`~.ppo.token_reinforce_pp`.
+
+    The row's score ``S_row`` sits at its last response token (``response_tokens`` [N,1] gives the
+    length); returns are discounted over tokens with ``gamma`` and whitened over all tokens of
+    the batch. An optional ``token_reward`` [N, T] (KL in the reward) is added at every token.
+
+    Keyword Args:
+        gamma (float): the token discount. Defaults to 1.0 (the reference's ``algorithm.gamma``).
+        invalid_penalty (float): as :class:`GRPOAdvantage`.
+    """
+
+    def __init__(self, *, gamma: float = 1.0, invalid_penalty: float = 0.1, eps: float = 1e-8,
+                 write_only: bool = False) -> None:
+        super().__init__(invalid_penalty=invalid_penalty, write_only=write_only)
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"`gamma` must be in [0, 1], got {gamma}.")
+        self.gamma, self.eps = float(gamma), eps
+
+    def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        from torchrl_agent.objectives.ppo import token_reinforce_pp
+
+        scores = F.episode_scores(reward, traj_id, valid, invalid_penalty=self.invalid_penalty)
+        lengths = F._as_1d("response_tokens", self._get(self._td, "response_tokens")).long()
+        token_reward = self._get(self._td, "token_reward", required=False)
+        width = token_reward.shape[-1] if token_reward is not None else max(1, int(lengths.max()) if len(lengths) else 1)
+        mask = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+        if token_reward is None and self._penalty() is not None:
+            scores = scores - F._as_1d("kl_penalty", self._penalty()).to(scores.dtype)
+        adv, _ = token_reinforce_pp(scores, mask, gamma=self.gamma, token_rewards=token_reward, eps=self.eps)
+        return adv
+
+
+class ReMaxAdvantage(_RowAdvantage):
+    """ReMax: ``S_row - reward_baseline`` (the greedy episode reward from the row's initial
+    state), see :func:`~.functional.remax_advantage`."""
+
+    def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        return F.remax_advantage(reward, traj_id, self._get(self._td, "reward_baseline"), valid,
+                                 invalid_penalty=self.invalid_penalty, score_penalty=self._penalty())

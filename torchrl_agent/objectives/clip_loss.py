@@ -10,18 +10,43 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives.common import LossModule
 
-__all__ = ["ClipPolicyLoss", "aggregate", "AGGREGATIONS"]
+__all__ = ["ClipPolicyLoss", "aggregate", "kl_estimate", "AGGREGATIONS", "KL_TYPES"]
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KL_TYPES = ("k1", "k2", "k3", "abs")
 
 
-def aggregate(value: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean") -> torch.Tensor:
+def kl_estimate(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from the sampled tokens' log-probs (the reference's
+    ``kl_penalty``; J. Schulman, *Approximating KL divergence*). With ``d = logp - ref``:
+
+    - ``k1``: ``d``; ``abs``: ``|d|``; ``k2``: ``0.5 * d**2``;
+    - ``k3``: ``exp(-d) + d - 1``, clamped to ``[-10, 10]`` (the only clamped one, as the reference).
+
+    Shapes: any, broadcast; returns a tensor of that shape.
+    """
+    d = log_prob - ref_log_prob
+    if kind == "k1":
+        return d
+    if kind == "abs":
+        return d.abs()
+    if kind == "k2":
+        return 0.5 * d.square()
+    if kind == "k3":
+        return ((-d).exp() + d - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"`kl_type` must be one of {KL_TYPES}, got {kind!r}.")
+
+
+def aggregate(value: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "token-mean",
+              norm_length: int | None = None) -> torch.Tensor:
     """Reduces a per-token ``value`` [N, T] over the ``mask`` [N, T] (bool) to a scalar.
 
     - ``token-mean``: sum over all masked tokens / number of masked tokens;
     - ``seq-mean-token-sum``: per row, sum over its tokens; then mean over rows;
-    - ``seq-mean-token-mean``: per row, mean over its tokens; then mean over rows.
+    - ``seq-mean-token-mean``: per row, mean over its tokens; then mean over rows;
+    - ``seq-mean-token-sum-norm`` (Dr. GRPO): per row, sum over its tokens divided by a constant
+      length ``L`` (``norm_length``, default ``T``); then mean over rows.
 
     Rows without any masked token are left out of the row means. Masked-out entries may hold any
     value (even non-finite): they are selected away, never multiplied by 0.
@@ -35,6 +60,8 @@ def aggregate(value: torch.Tensor, mask: torch.Tensor, mode: Aggregation = "toke
     count = mask.sum(-1)
     if mode == "seq-mean-token-mean":
         per_row = per_row / count.clamp_min(1)
+    elif mode == "seq-mean-token-sum-norm":
+        per_row = per_row / float(norm_length or mask.shape[-1])
     has_tokens = count > 0
     return (per_row * has_tokens).sum() / has_tokens.sum().clamp_min(1)
 
@@ -48,12 +75,12 @@ class ClipPolicyLoss(LossModule):
               = exp(mean_row(logp - logp_old))          # "sequence" ratio (GSPO), same for all tokens
         loss  = max(-A * rho, -A * clip(rho, 1 - eps_low, 1 + eps_high))
         loss  = min(loss, -A * dual_clip)   where A < 0 (dual clip; not in sequence mode)
-        k3    = clamp(exp(ref - logp) - (ref - logp) - 1, -10, 10)
+        kl    = kl_estimate(logp, ref, kl_type)         # k3 by default: clamp(exp(ref-logp) - (ref-logp) - 1, +-10)
 
     and the scalars (each reduced with ``aggregation`` over the ``mask``)::
 
-        loss_objective = agg(loss)
-        loss_kl        = kl_coef * agg(k3)          (only when kl_coef > 0)
+        loss_objective = agg(loss)                  (sequence ratio: always seq-mean-token-mean, as the reference)
+        loss_kl        = kl_coef * agg(kl)          (only when kl_coef > 0)
         loss_entropy   = -entropy_coef * agg(H)     (only when an entropy is given and entropy_coef > 0)
 
     to be summed by the caller (TorchRL style).
@@ -83,9 +110,16 @@ class ClipPolicyLoss(LossModule):
         aggregation (str): ``"token-mean"`` (default), ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``.
         kl_coef (float): k3 KL-to-reference coefficient. ``0`` disables. Defaults to 0.01.
         entropy_coef (float): entropy bonus coefficient. Defaults to 0.001.
-        ratio (str): ``"token"`` (default) or ``"sequence"`` (GSPO: use e.g. eps 3e-4/4e-4,
-            ``seq-mean-token-mean``, dual clip is not applied).
-        max_log_ratio (float): log-ratios are clamped to ``[-max, max]`` before ``exp``. Defaults to 20.
+        ratio (str): ``"token"`` (default) or ``"sequence"`` (GSPO: use e.g. eps 3e-4/4e-4 and
+            ``max_log_ratio=10``; dual clip is not applied). The sequence ratio takes the reference's
+            form ``log s_t = logp_t - sg(logp_t) + sg(mean_row(logp - logp_old))``: its value is the
+            row's ratio, its gradient flows through each token's own log-prob.
+        max_log_ratio (float): log-ratios are clamped to ``[-max, max]`` before ``exp`` (sequence
+            ratio: to ``max`` from above only, as the reference). Defaults to 20.
+        kl_type (str): the KL estimator, ``"k1"``, ``"k2"``, ``"k3"`` (default) or ``"abs"``, see
+            :func:`kl_estimate`.
+        norm_length (int, optional): the constant ``L`` of the ``seq-mean-token-sum-norm``
+            aggregation (default: the padded width ``T`` of the batch).
     """
 
     @dataclass
@@ -114,8 +148,14 @@ class ClipPolicyLoss(LossModule):
         entropy_coef: float = 0.001,
         ratio: Literal["token", "sequence"] = "token",
         max_log_ratio: float = 20.0,
+        kl_type: str = "k3",
+        norm_length: int | None = None,
     ) -> None:
         super().__init__()
+        if kl_type not in KL_TYPES:
+            raise ValueError(f"`kl_type` must be one of {KL_TYPES}, got {kl_type!r}.")
+        if norm_length is not None and norm_length < 1:
+            raise ValueError(f"`norm_length` must be >= 1 (or None), got {norm_length}.")
         if not (0.0 <= eps_low < 1.0):
             raise ValueError(f"`eps_low` must be in [0, 1), got {eps_low}.")
         if eps_high < 0:
@@ -135,6 +175,8 @@ class ClipPolicyLoss(LossModule):
         self.kl_coef, self.entropy_coef = float(kl_coef), float(entropy_coef)
         self.ratio = ratio
         self.max_log_ratio = float(max_log_ratio)
+        self.kl_type = kl_type
+        self.norm_length = norm_length
 
     def _forward_value_estimator_keys(self, **kwargs) -> None:
         pass  # no value estimator
@@ -192,10 +234,12 @@ class ClipPolicyLoss(LossModule):
         zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
         log_ratio = torch.where(mask, log_prob - old_log_prob, zero)  # padding may hold anything
         if self.ratio == "sequence":
-            # GSPO: the row's ratio is the geometric mean of its token ratios
+            # GSPO: the row's ratio is the geometric mean of its token ratios; the value is the
+            # row's, the gradient goes through each token's own log-prob (reference form)
             count = mask.sum(-1, keepdim=True).clamp_min(1)
-            log_ratio = (log_ratio.sum(-1, keepdim=True) / count).expand_as(log_ratio)
-            log_ratio = torch.where(mask, log_ratio, zero)
+            seq = (log_ratio.sum(-1, keepdim=True) / count).detach()
+            log_ratio = torch.where(mask, log_prob - log_prob.detach() + seq, zero)
+            return log_ratio.clamp(max=self.max_log_ratio)
         return log_ratio.clamp(-self.max_log_ratio, self.max_log_ratio)
 
     def _policy_terms(self, log_ratio, adv, mask):
@@ -218,7 +262,8 @@ class ClipPolicyLoss(LossModule):
         tensordict, mask, log_prob, old_log_prob, adv = self._inputs(tensordict)
         log_ratio = self._log_ratio(log_prob, old_log_prob, mask)
         loss, clipped, ratio = self._policy_terms(log_ratio, adv, mask)
-        out = {"loss_objective": aggregate(loss, mask, self.aggregation)}
+        objective_agg = "seq-mean-token-mean" if self.ratio == "sequence" else self.aggregation
+        out = {"loss_objective": aggregate(loss, mask, objective_agg, self.norm_length)}
         n_tokens = mask.sum().clamp_min(1)
         with torch.no_grad():
             out["clip_fraction"] = clipped.sum().to(log_prob.dtype) / n_tokens
@@ -228,16 +273,15 @@ class ClipPolicyLoss(LossModule):
         if self.kl_coef > 0:
             ref = self._get(tensordict, "ref_log_prob")
             ref = self._check_tokens("ref_log_prob", ref, mask.shape).detach()
-            diff = torch.where(mask, ref - log_prob, 0.0)
-            k3 = (diff.exp() - diff - 1).clamp(-10.0, 10.0)
-            kl_ref = aggregate(k3, mask, self.aggregation)
+            kl = kl_estimate(log_prob, torch.where(mask, ref, log_prob.detach()), self.kl_type)
+            kl_ref = aggregate(kl, mask, self.aggregation, self.norm_length)
             out["loss_kl"] = self.kl_coef * kl_ref
             out["kl_ref"] = kl_ref.detach()
 
         entropy = self._get(tensordict, "entropy", required=False)
         if entropy is not None:
             entropy = self._check_tokens("entropy", entropy, mask.shape)
-            ent = aggregate(entropy, mask, self.aggregation)
+            ent = aggregate(entropy, mask, self.aggregation, self.norm_length)
             out["entropy"] = ent.detach()
             if self.entropy_coef > 0:
                 out["loss_entropy"] = -self.entropy_coef * ent

@@ -102,9 +102,11 @@ class DynamicSamplingAccumulator:
 
     Each :meth:`add` counts one try. Before the last try only informative groups are kept; the
     ``max_tries``-th try keeps every group it brings. Groups are kept whole, in order of first
-    appearance, until ``target_groups`` are held (extra groups are dropped). With
-    ``relabel=True`` (default) ``group_id`` and ``traj_id`` are renumbered ``0, 1, ...`` across
-    tries, so ids reused by successive collections never merge two groups.
+    appearance. With ``trim=True`` (default) only ``target_groups`` are held (extra groups are
+    dropped); ``trim=False`` keeps every group a try brings, as the reference does (its batch
+    may then exceed the target). With ``relabel=True`` (default) ``group_id`` and ``traj_id``
+    are renumbered ``0, 1, ...`` across tries, so ids reused by successive collections never
+    merge two groups. :meth:`fill` runs the whole loop for a collection function.
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class DynamicSamplingAccumulator:
         max_tries: int = 10,
         filter: DynamicSamplingFilter | None = None,
         relabel: bool = True,
+        trim: bool = True,
     ) -> None:
         if int(target_groups) < 1:
             raise ValueError(f"`target_groups` must be >= 1, got {target_groups}.")
@@ -123,6 +126,8 @@ class DynamicSamplingAccumulator:
         self.max_tries = int(max_tries)
         self.filter = filter if filter is not None else DynamicSamplingFilter()
         self.relabel = relabel
+        self.trim = trim
+        self.last_tries = 0
         self.reset()
 
     def reset(self) -> None:
@@ -149,7 +154,7 @@ class DynamicSamplingAccumulator:
         if rows.numel():
             group_id = _as_1d("group_id", rows.get(k.group_id)).long()
             uniq, first = _first_appearance(group_id)
-            room = self.target_groups - self.num_groups
+            room = self.target_groups - self.num_groups if self.trim else uniq.numel()
             ginv, _ = _dense_ids(group_id)
             order_rank = torch.empty_like(first)
             order_rank[torch.argsort(first)] = torch.arange(first.numel(), device=first.device)
@@ -169,9 +174,18 @@ class DynamicSamplingAccumulator:
                 self.num_groups += int(min(room, uniq.numel()))
         return self.ready
 
+    def fill(self, collect) -> TensorDictBase | None:
+        """Calls ``collect()`` (returns a rows TensorDict) until :attr:`ready`, then :meth:`pop` s.
+
+        The number of tries made is left in :attr:`last_tries`."""
+        while not self.ready:
+            self.add(collect())
+        return self.pop()
+
     def pop(self) -> TensorDictBase | None:
         """Returns the accumulated rows (``None`` if none) and resets the accumulator."""
         parts = self._parts
+        self.last_tries = self.tries
         self.reset()
         if not parts:
             return None

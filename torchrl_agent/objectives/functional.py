@@ -1,9 +1,9 @@
-"""Functional advantage estimators for LLM agents (GiGPO, GRPO, RLOO, REINFORCE++).
+"""Functional advantage estimators for LLM agents (GiGPO, GRPO, GRPO pass@k, RLOO, REINFORCE++-baseline, ReMax).
 
 Every function takes one entry per **row** (one environment step of one trajectory), in any
 order, and is fully vectorised: groups, anchor groups and trajectories are handled with
 ``unique`` / ``bincount`` / ``scatter_add`` / ``scatter_reduce`` tensor ops, never with a Python
-loop over rows or groups. The semantics are the reference ones stated in ``ALGORITHMS.md``:
+loop over rows or groups. The semantics are the reference ones stated in ``docs/algorithms.md``:
 
 - statistics are taken over **rows** (a longer trajectory weighs more in its group);
 - a normalisation set of one row has mean 0 and std 1;
@@ -33,6 +33,9 @@ __all__ = [
     "grpo_advantage",
     "rloo_advantage",
     "reinforce_pp_advantage",
+    "reinforce_pp_baseline_advantage",
+    "grpo_passk_advantage",
+    "remax_advantage",
     "similarity_anchor_ids",
 ]
 
@@ -146,9 +149,12 @@ def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None):
     return dev
 
 
-def _episode_scores(r, tinv, kt, valid, invalid_penalty):
+def _episode_scores(r, tinv, kt, valid, invalid_penalty, score_penalty=None):
     ep = torch.zeros(kt, dtype=r.dtype, device=r.device).scatter_add_(0, tinv, r)
-    return ep.index_select(0, tinv) - invalid_penalty * (~valid).to(r.dtype)
+    s = ep.index_select(0, tinv) - invalid_penalty * (~valid).to(r.dtype)
+    if score_penalty is not None:  # e.g. the KL-in-reward penalty of the row (reference: token_level_rewards)
+        s = s - _as_1d("score_penalty", score_penalty, r.shape[0]).to(r.dtype)
+    return s
 
 
 def _positions(tinv: torch.Tensor, kt: int, step: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -259,8 +265,8 @@ def discounted_step_returns(
 
 
 # --------------------------------------------------------------------------- estimators
-def _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty):
-    """Checks the common inputs; returns (acc reward, scores, group inverse, K groups, traj inverse, K trajs)."""
+def _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty, score_penalty=None):
+    """Checks the common inputs; returns (acc reward, valid, scores, group inverse, K groups, traj inverse, K trajs)."""
     reward = _check_reward(reward)
     n = reward.shape[0]
     group_id = _check_ids("group_id", group_id, n)
@@ -269,7 +275,7 @@ def _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty):
     r = reward.to(_acc_dtype(reward))
     ginv, kg = _dense_ids(group_id)
     tinv, kt = _dense_ids(traj_id)
-    return r, valid, _episode_scores(r, tinv, kt, valid, invalid_penalty), ginv, kg, tinv, kt
+    return r, valid, _episode_scores(r, tinv, kt, valid, invalid_penalty, score_penalty), ginv, kg, tinv, kt
 
 
 def grpo_advantage(
@@ -281,14 +287,17 @@ def grpo_advantage(
     invalid_penalty: float = 0.1,
     norm: Norm = "mean_std",
     eps: float = 1e-6,
+    score_penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO: ``A = norm(S_row, rows of the same group)``, ``S_row = episode_reward - c*(1-valid)``.
 
     Args: ``reward`` [N] float step rewards, ``group_id`` / ``traj_id`` [N] int64, ``valid`` [N]
-    bool (``None``: all valid). Returns ``A`` [N] in ``reward``'s dtype.
+    bool (``None``: all valid). ``score_penalty`` [N] (optional) is subtracted from ``S_row``
+    (the KL-in-reward penalty ``beta * sum_t kl_t`` of the row; every estimator below takes it).
+    Returns ``A`` [N] in ``reward``'s dtype.
     """
     _check_norm(norm)
-    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty, score_penalty)
     if r.numel() == 0:
         return reward.reshape(-1).clone()
     return _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=reward.dtype).to(reward.dtype)
@@ -307,6 +316,7 @@ def gigpo_advantage(
     invalid_penalty: float = 0.1,
     norm: Norm = "mean_std",
     eps: float = 1e-6,
+    score_penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GiGPO: ``A = A_E + omega * A_S``.
 
@@ -316,10 +326,12 @@ def gigpo_advantage(
     - ``A_S = norm(R_t, rows of the same (group_id, anchor))``; an anchor group of one row gets 0.
 
     Args: ``reward`` [N] float, ``group_id`` / ``traj_id`` / ``step`` / ``anchor`` [N] int64,
-    ``valid`` [N] bool. Returns [N] in ``reward``'s dtype.
+    ``valid`` [N] bool. ``score_penalty`` (see :func:`grpo_advantage`) enters the episode term only,
+    as in the reference (its step term uses the env step rewards). Returns [N] in ``reward``'s dtype.
     """
     _check_norm(norm)
-    r, valid, s, ginv, kg, tinv, kt = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    r, valid, s, ginv, kg, tinv, kt = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty,
+                                                         score_penalty)
     n = r.numel()
     step = _check_ids("step", step, n)
     anchor = _check_ids("anchor", anchor, n)
@@ -339,13 +351,14 @@ def rloo_advantage(
     valid: torch.Tensor | None = None,
     *,
     invalid_penalty: float = 0.1,
+    score_penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RLOO: ``A = (S_row - mean_group) * n / (n - 1)`` with ``n`` the rows of the group.
 
     A group of one row keeps its raw score (mean 0, no rescaling); an all-equal group gives 0.
     Shapes as :func:`grpo_advantage`; returns [N] in ``reward``'s dtype.
     """
-    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty, score_penalty)
     if r.numel() == 0:
         return reward.reshape(-1).clone()
     centred = _normalize(s, ginv, kg, norm="mean", eps=0.0, value_dtype=reward.dtype)
@@ -354,26 +367,122 @@ def rloo_advantage(
     return (centred * scale).to(reward.dtype)
 
 
-def reinforce_pp_advantage(
+def _weighted_whiten(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``(x - mean_w) / sqrt(var_w + eps)`` with weights ``w`` [N] (token counts): the reference's
+    ``masked_whiten`` over the tokens of rows whose tokens all hold ``x``. Unbiased over the total
+    weight (Bessel on the token count); all-equal values (of positive weight) give exactly 0."""
+    total = w.sum()
+    if float(total) <= 1:
+        return torch.zeros_like(x)
+    mean = (w * x).sum() / total
+    live = w > 0
+    lo, hi = x[live].min(), x[live].max()
+    ulp = 4 * torch.finfo(torch.float32).eps
+    if float(hi - lo) <= ulp * float(torch.maximum(hi.abs(), lo.abs())):
+        return torch.zeros_like(x)
+    dev = x - mean
+    var = (w * dev * dev).sum() / (total - 1)
+    return dev / torch.sqrt(var + eps)
+
+
+def reinforce_pp_baseline_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    num_tokens: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+    eps: float = 1e-8,
+    score_penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """REINFORCE++-baseline: ``S_row - mean_group`` (over rows), then whitened over the batch's **tokens**.
+
+    The reference broadcasts the centred score over the row's response tokens and whitens over
+    all the masked tokens of the batch: ``(x - mean) * rsqrt(var + eps)``, mean and unbiased
+    variance over tokens. As every token of a row holds the same value, that is a whitening of
+    the rows weighted by ``num_tokens`` [N] (the row's response length); the result is still one
+    value per row. ``num_tokens=None`` weighs every row 1 (a whitening over rows).
+    All-equal values give exactly 0. Shapes as :func:`grpo_advantage`; returns [N].
+    """
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty, score_penalty)
+    if r.numel() == 0:
+        return reward.reshape(-1).clone()
+    centred = _normalize(s, ginv, kg, norm="mean", eps=0.0, value_dtype=reward.dtype)
+    w = torch.ones_like(centred) if num_tokens is None else _as_1d("num_tokens", num_tokens, r.numel()).to(s.dtype)
+    if bool((w < 0).any()):
+        raise ValueError("`num_tokens` must be >= 0.")
+    return _weighted_whiten(centred, w, eps).to(reward.dtype)
+
+
+#: Former name of :func:`reinforce_pp_baseline_advantage` (kept for compatibility).
+reinforce_pp_advantage = reinforce_pp_baseline_advantage
+
+
+def grpo_passk_advantage(
     reward: torch.Tensor,
     group_id: torch.Tensor,
     traj_id: torch.Tensor,
     valid: torch.Tensor | None = None,
     *,
     invalid_penalty: float = 0.1,
+    norm: Norm = "mean_std",
     eps: float = 1e-6,
+    score_penalty: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """REINFORCE++ (baseline): ``S_row - mean_group``, then whitened over the whole batch.
+    """GRPO pass@k: only the best row of each group gets an advantage, ``(S_max - S_2nd) / (std + eps)``.
 
-    Whitening is ``(x - mean) / (std + eps)`` over all N rows (unbiased std; all-equal gives 0).
-    Shapes as :func:`grpo_advantage`; returns [N] in ``reward``'s dtype.
+    Over the rows of a group (the reference walks rows, not trajectories): ``S_max`` and
+    ``S_2nd`` are its two largest scores, ``std`` the unbiased std of all its scores (``norm="mean"``:
+    no division). The first row holding ``S_max`` gets the advantage, every other row 0; a tie at
+    the top gives 0 everywhere. A group of one row gets 0 (the reference raises). Returns [N].
     """
-    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty)
-    if r.numel() == 0:
+    _check_norm(norm)
+    r, _, s, ginv, kg, _, _ = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty, score_penalty)
+    n = r.numel()
+    if n == 0:
         return reward.reshape(-1).clone()
-    centred = _normalize(s, ginv, kg, norm="mean", eps=0.0, value_dtype=reward.dtype)
-    whole = torch.zeros_like(ginv)
-    return _normalize(centred, whole, 1, norm="mean_std", eps=eps, value_dtype=reward.dtype).to(reward.dtype)
+    neg_inf = torch.full((kg,), -torch.inf, dtype=s.dtype, device=s.device)
+    gmax = neg_inf.clone().scatter_reduce_(0, ginv, s, "amax")
+    is_max = s == gmax.index_select(0, ginv)
+    idx = torch.arange(n, device=s.device)
+    first = torch.full((kg,), n, dtype=torch.long, device=s.device).scatter_reduce_(
+        0, ginv, torch.where(is_max, idx, n), "amin")
+    best = first.index_select(0, ginv) == idx  # the first row with the group's max score
+    second = neg_inf.clone().scatter_reduce_(0, ginv, torch.where(best, -torch.inf, s), "amax")
+    count = torch.bincount(ginv, minlength=kg)
+    gap = torch.where(count > 1, gmax - second, 0.0)
+    if norm == "mean_std":
+        mean = torch.zeros(kg, dtype=s.dtype, device=s.device).scatter_add_(0, ginv, s) / count.clamp_min(1)
+        dev = s - mean.index_select(0, ginv)
+        var = torch.zeros(kg, dtype=s.dtype, device=s.device).scatter_add_(0, ginv, dev * dev)
+        std = (var / (count - 1).clamp_min(1)).sqrt()
+        gap = gap / (std + eps)
+    return torch.where(best, gap.index_select(0, ginv), 0.0).to(reward.dtype)
+
+
+def remax_advantage(
+    reward: torch.Tensor,
+    traj_id: torch.Tensor,
+    baseline: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    invalid_penalty: float = 0.1,
+    score_penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ReMax: ``A = S_row - b_row``, ``b_row`` [N] the episode reward of a greedy rollout from the
+    row's initial state (the same for every row of a group). Returns [N]."""
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    traj_id = _check_ids("traj_id", traj_id, n)
+    valid = _check_valid(valid, n, reward.device)
+    baseline = _as_1d("baseline", baseline, n)
+    r = reward.to(_acc_dtype(reward))
+    if n == 0:
+        return reward.clone()
+    tinv, kt = _dense_ids(traj_id)
+    s = _episode_scores(r, tinv, kt, valid, invalid_penalty, score_penalty)
+    return (s - baseline.to(s.dtype)).to(reward.dtype)
 
 
 # --------------------------------------------------------------------------- similarity anchors

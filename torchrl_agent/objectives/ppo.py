@@ -10,11 +10,12 @@ from tensordict.nn import TensorDictModuleBase
 
 from torchrl_agent.objectives.clip_loss import Aggregation, ClipPolicyLoss, aggregate
 
-__all__ = ["token_gae", "masked_whiten", "PPOLoss"]
+__all__ = ["token_gae", "token_reinforce_pp", "masked_whiten", "clipped_value_loss", "PPOLoss"]
 
 
-def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``(x - mean) / (std + eps)`` over the masked entries of ``x`` (unbiased std).
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) * rsqrt(var + eps)`` over the masked entries of ``x`` (unbiased variance), the
+    reference's ``masked_whiten``.
 
     All-equal masked values give exactly 0; masked-out entries are returned as 0.
     """
@@ -29,8 +30,100 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-6) -> tor
     lo, hi = torch.where(mask, x, torch.inf).min(), torch.where(mask, x, -torch.inf).max()
     if n == 1 or lo == hi:
         return torch.where(mask & (lo != hi), dev, zero)
-    std = ((dev * dev).sum() / (n - 1)).sqrt()
-    return dev / (std + eps)
+    var = (dev * dev).sum() / (n - 1)
+    return dev * torch.rsqrt(var + eps)
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor):
+    """Moves each row's masked entries to the left; returns (compacted [N, T], lengths [N], scatter-back fn)."""
+    n, t = mask.shape
+    pos = torch.cumsum(mask.long(), -1) - 1
+    rows, cols = mask.nonzero(as_tuple=True)
+    out = torch.zeros(n, t, dtype=x.dtype, device=x.device)
+    out[rows, pos[rows, cols]] = x[rows, cols]
+
+    def back(c: torch.Tensor) -> torch.Tensor:
+        full = torch.zeros(n, t, dtype=c.dtype, device=c.device)
+        full[rows, cols] = c[rows, pos[rows, cols]]
+        return full
+
+    return out, mask.sum(-1), back
+
+
+def _discount_matrix(t: int, factor: float, dtype, device) -> torch.Tensor:
+    """``G[k, j] = factor**(k - j)`` for ``k >= j`` else 0 (reverse discounted cumsum as ``x @ G``)."""
+    idx = torch.arange(t, device=device)
+    lag = idx[:, None] - idx[None, :]
+    return torch.where(lag >= 0, torch.as_tensor(factor, dtype=dtype, device=device) ** lag.clamp_min(0),
+                       torch.zeros((), dtype=dtype, device=device))
+
+
+def _token_rewards(mask, scores, token_rewards, dtype):
+    """Compacted per-token rewards: ``token_rewards`` (optional, e.g. ``-beta * kl_t``) plus the
+    row's score at its last response token."""
+    if scores.ndim == 2 and scores.shape[-1] == 1:
+        scores = scores.squeeze(-1)
+    if scores.shape != mask.shape[:1]:
+        raise ValueError(f"`scores` must have shape [N] or [N, 1] with N={mask.shape[0]}, got {tuple(scores.shape)}.")
+    base = torch.zeros(mask.shape, dtype=dtype, device=mask.device) if token_rewards is None else \
+        torch.where(mask, token_rewards.to(dtype), torch.zeros((), dtype=dtype, device=mask.device))
+    r, length, back = _compact(base, mask)
+    has = length > 0
+    r[has.nonzero(as_tuple=True)[0], length[has] - 1] += scores[has].to(dtype)
+    return r, length, back
+
+
+def token_reinforce_pp(
+    scores: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    token_rewards: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (the reference's ``compute_reinforce_plus_plus_outcome_advantage``).
+
+    The reward is the row's score at its last response token (plus ``token_rewards`` [N, T] at
+    every token when given, e.g. the KL-in-reward penalty); the return of token ``t`` is
+    ``G_t = sum_{k >= t} gamma**(k - t) r_k`` inside the response; advantages are the returns
+    whitened over all the masked tokens of the batch (:func:`masked_whiten`).
+
+    Args: ``scores`` [N] or [N, 1], ``mask`` [N, T] bool. Returns ``(advantages, returns)`` [N, T].
+    """
+    mask = mask.bool()
+    dtype = torch.float64 if mask.device.type != "mps" else torch.float32
+    r, _, back = _token_rewards(mask, scores, token_rewards, dtype)
+    returns = back(r @ _discount_matrix(mask.shape[-1], gamma, dtype, mask.device))
+    out_dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    return masked_whiten(returns, mask, eps).to(out_dtype), returns.to(out_dtype)
+
+
+def clipped_value_loss(
+    value: torch.Tensor,
+    old_value: torch.Tensor,
+    target: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    value_clip: float | None = 0.5,
+    aggregation: Aggregation = "token-mean",
+    norm_length: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's ``compute_value_loss``: ``agg(max((V - R)**2, (clip(V, V_old +- value_clip) - R)**2))``.
+
+    All [N, T]; ``value`` carries grad. Returns ``(loss, clip_fraction)`` (scalars); ``value_clip=None``
+    disables clipping (clip fraction 0).
+    """
+    target = target.detach()
+    loss = (value - target) ** 2
+    frac = torch.zeros((), dtype=value.dtype, device=value.device)
+    if value_clip is not None:
+        old_value = old_value.detach()
+        v_clipped = old_value + (value - old_value).clamp(-value_clip, value_clip)
+        loss_clipped = (v_clipped - target) ** 2
+        with torch.no_grad():
+            frac = ((loss_clipped > loss) & mask).sum() / mask.sum().clamp_min(1)
+        loss = torch.maximum(loss, loss_clipped)
+    return aggregate(loss, mask, aggregation, norm_length=norm_length), frac.to(value.dtype)
 
 
 def token_gae(
@@ -41,17 +134,20 @@ def token_gae(
     gamma: float = 1.0,
     lmbda: float = 1.0,
     whiten: bool = True,
-    eps: float = 1e-6,
+    eps: float = 1e-8,
+    token_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token GAE inside each row's response (the reference PPO for LLM agents).
 
-    The reward is the row's score at its **last** response token and 0 elsewhere; the value after
-    the last token is 0. With ``delta_t = r_t + gamma * V_{t+1} - V_t``::
+    The reward is the row's score at its **last** response token and 0 elsewhere (plus
+    ``token_rewards`` [N, T] at every token when given, e.g. the KL-in-reward penalty); the value
+    after the last token is 0. With ``delta_t = r_t + gamma * V_{t+1} - V_t``::
 
         A_t = sum_{k >= t} (gamma * lmbda)**(k - t) * delta_k,   returns_t = A_t + V_t
 
     (for ``gamma = lmbda = 1``: ``A_t = score - V_t``). Advantages are then whitened over all the
-    masked tokens of the batch (``whiten=True``); returns are computed before whitening.
+    masked tokens of the batch (``whiten=True``, :func:`masked_whiten`); returns are computed
+    before whitening.
 
     Args:
         values (Tensor): [N, T] value estimates at collection time (detached).
@@ -63,39 +159,19 @@ def token_gae(
     """
     if values.ndim != 2 or mask.shape != values.shape:
         raise ValueError(f"`values` and `mask` must both be [N, T], got {tuple(values.shape)} and {tuple(mask.shape)}.")
-    if scores.ndim == 2 and scores.shape[-1] == 1:
-        scores = scores.squeeze(-1)
-    if scores.shape != values.shape[:1]:
-        raise ValueError(f"`scores` must have shape [N] or [N, 1] with N={values.shape[0]}, got {tuple(scores.shape)}.")
     values = values.detach()
     mask = mask.bool()
     n, t = mask.shape
     dtype = values.dtype
+    r, length, back = _token_rewards(mask, scores, token_rewards, dtype)
+    v, _, _ = _compact(values, mask)
     zero = torch.zeros((), dtype=dtype, device=values.device)
-    # compact the response tokens of each row to the left: position = rank among masked tokens
-    pos = torch.cumsum(mask.long(), -1) - 1
-    length = mask.sum(-1)
-    rows, cols = mask.nonzero(as_tuple=True)
-    v = torch.zeros(n, t, dtype=dtype, device=values.device)
-    v[rows, pos[rows, cols]] = values[rows, cols]
-    # reward: the score at the last token of each row
-    r = torch.zeros(n, t, dtype=dtype, device=values.device)
-    has = length > 0
-    r[has.nonzero(as_tuple=True)[0], (length[has] - 1)] = scores[has].to(dtype)
-    v_next = torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=dtype, device=values.device)], -1)
-    compact_mask = torch.arange(t, device=values.device)[None, :] < length[:, None]
-    v_next = torch.where(torch.arange(t, device=values.device)[None, :] + 1 < length[:, None], v_next, zero)
-    delta = torch.where(compact_mask, r + gamma * v_next - v, zero)
-    # reverse discounted cumsum as a product with G[k, j] = (gamma * lmbda)**(k - j), k >= j
-    idx = torch.arange(t, device=values.device)
-    lag = idx[:, None] - idx[None, :]
-    g = torch.where(lag >= 0, torch.as_tensor(gamma * lmbda, dtype=dtype, device=values.device) ** lag.clamp_min(0), zero)
-    adv_c = delta @ g
-    ret_c = adv_c + v
-    advantages = torch.zeros_like(values)
-    returns = torch.zeros_like(values)
-    advantages[rows, cols] = adv_c[rows, pos[rows, cols]]
-    returns[rows, cols] = ret_c[rows, pos[rows, cols]]
+    idx = torch.arange(t, device=values.device)[None, :]
+    v_next = torch.where(idx + 1 < length[:, None], torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=dtype,
+                                                                                  device=values.device)], -1), zero)
+    delta = torch.where(idx < length[:, None], r + gamma * v_next - v, zero)
+    adv_c = delta @ _discount_matrix(t, gamma * lmbda, dtype, values.device)
+    advantages, returns = back(adv_c), back(adv_c + v)
     if whiten:
         advantages = masked_whiten(advantages, mask, eps)
     return advantages, returns
@@ -175,16 +251,10 @@ class PPOLoss(ClipPolicyLoss):
         mask = self._get(tensordict, "mask").bool()
         value = self._check_tokens("state_value", self._get(tensordict, "state_value"), mask.shape)
         old_value = self._check_tokens("old_state_value", self._get(tensordict, "old_state_value"), mask.shape)
-        target = self._check_tokens("value_target", self._get(tensordict, "value_target"), mask.shape).detach()
-        loss_v = (value - target) ** 2
+        target = self._check_tokens("value_target", self._get(tensordict, "value_target"), mask.shape)
+        loss_v, frac = clipped_value_loss(value, old_value, target, mask, value_clip=self.value_clip,
+                                          aggregation=self.aggregation, norm_length=self.norm_length)
         if self.value_clip is not None:
-            old_value = old_value.detach()
-            v_clipped = old_value + (value - old_value).clamp(-self.value_clip, self.value_clip)
-            loss_v_clipped = (v_clipped - target) ** 2
-            with torch.no_grad():
-                frac = ((loss_v_clipped > loss_v) & mask).sum() / mask.sum().clamp_min(1)
-            loss_v = torch.maximum(loss_v, loss_v_clipped)
-            out.set("value_clip_fraction", frac.to(value.dtype))
-        out.set("loss_critic", self.critic_coef * 0.5 * aggregate(loss_v, mask, self.aggregation))
+            out.set("value_clip_fraction", frac)
+        out.set("loss_critic", self.critic_coef * 0.5 * loss_v)
         return out
-
