@@ -150,7 +150,9 @@ class DynamicSamplingAccumulator:
         keep = self.filter.mask(rows)
         if self.tries >= self.max_tries:
             keep = torch.ones_like(keep)  # the last try keeps everything
-        rows = rows[keep]
+        if not bool(keep.any()):
+            return self.ready
+        rows = rows[keep.nonzero().squeeze(-1)]  # (index tensors also work on lazy stacks)
         if rows.numel():
             group_id = _as_1d("group_id", rows.get(k.group_id)).long()
             uniq, first = _first_appearance(group_id)
@@ -159,8 +161,9 @@ class DynamicSamplingAccumulator:
             order_rank = torch.empty_like(first)
             order_rank[torch.argsort(first)] = torch.arange(first.numel(), device=first.device)
             rank = order_rank[ginv]  # rank of each row's group by first appearance
-            rows = rows[rank < room]
-            rank = rank[rank < room]
+            fits = rank < room
+            rows = rows[fits.nonzero().squeeze(-1)]
+            rank = rank[fits]
             if rows.numel():
                 if self.relabel:
                     rows = rows.clone(False)

@@ -52,7 +52,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | gigpo | rloo | reinforce_pp
+    name: str = "grpo"  # grpo | gigpo | ppo | dapo | gspo | rloo | reinforce_pp | reinforce_pp_baseline | grpo_passk | remax
     norm: str = "mean_std"  # mean_std | mean
     gamma: float = 0.95  # GiGPO step-return discount
     omega: float = 1.0  # GiGPO step-term weight
@@ -69,6 +69,22 @@ class AlgorithmConfig:
     grad_clip: float = 1.0
     epochs: int = 1
     minibatch_size: int = 256
+    # --- every reference algorithm and setting (docs/algorithms.md maps each to the reference's option)
+    kl_type: str = "k3"  # KL-loss estimator k1 | k2 | k3 | abs (reference actor.kl_loss_type; low_var_kl = k3)
+    max_log_ratio: float = 20.0  # log-ratio clamp before exp (GSPO: 10, from above only, as the reference)
+    loss_norm_length: Optional[int] = None  # L of aggregation=seq-mean-token-sum-norm; None: rollout.max_new_tokens
+    kl_in_reward: bool = False  # KL to the reference subtracted from the reward (reference algorithm.use_kl_in_reward)
+    kl_reward_type: str = "k1"  # its estimator (reference algorithm.kl_penalty; "kl" = k1)
+    kl_ctrl: str = "fixed"  # fixed | adaptive (reference algorithm.kl_ctrl.type)
+    kl_reward_coef: float = 0.001  # initial/fixed coefficient (reference algorithm.kl_ctrl.kl_coef)
+    kl_target: float = 0.1  # adaptive controller target KL (reference algorithm.kl_ctrl.target_kl)
+    kl_horizon: int = 10000  # adaptive controller horizon (reference algorithm.kl_ctrl.horizon)
+    similarity_threshold: Optional[float] = None  # GiGPO similarity anchors (reference gigpo.similarity_thresh)
+    dynamic_sampling: bool = False  # DAPO dynamic sampling (reference algorithm.filter_groups.enable)
+    max_sampling_tries: int = 10  # collections per batch at most (reference filter_groups.max_num_gen_batches)
+    lmbda: float = 1.0  # PPO GAE lambda (reference algorithm.lam); PPO's gamma is `gamma`
+    critic_lr: float = 1e-5  # PPO critic learning rate (reference critic.optim.lr)
+    value_clip: Optional[float] = 0.5  # PPO value clipping (reference critic.cliprange_value); null: off
 
 
 @dataclass

@@ -3,7 +3,7 @@
 One iteration::
 
     rows = collector.collect()                      # one row per env step, complete groups
-    rows = advantage(rows)                          # GRPO / GiGPO / RLOO / REINFORCE++ per row
+    rows = advantage(rows)                          # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
     old_log_prob, ref_log_prob = recompute(rows)    # trainer-side, no grad
     for epoch, minibatch of rows:
         loss = ClipPolicyLoss(log_prob(minibatch), ...)  -> backward -> clip -> AdamW step
@@ -48,9 +48,13 @@ from torchrl_agent.objectives import (
     ClipPolicyLoss,
     GiGPOAdvantage,
     GRPOAdvantage,
+    GRPOPassKAdvantage,
     ReinforcePlusPlusAdvantage,
+    ReinforcePlusPlusBaselineAdvantage,
+    ReMaxAdvantage,
     RLOOAdvantage,
 )
+from torchrl_agent.trainers.algorithm import ESTIMATORS, AlgorithmHooks, check_algorithm, minibatch_advantage
 from torchrl_agent.trainers.config import TrainConfig
 from torchrl_agent.trainers.distributed import (
     barrier,
@@ -135,16 +139,36 @@ def build_policy(cfg, model, tokenizer):
 
 
 def build_advantage(cfg):
+    """The advantage module of ``algorithm.name`` (``None`` for ``ppo``: GAE needs the critic's
+    values, see :class:`~torchrl_agent.trainers.algorithm.AlgorithmHooks`)."""
+    check_algorithm(cfg)
     a = cfg.algorithm
-    if a.name == "grpo":
-        return GRPOAdvantage(invalid_penalty=a.invalid_penalty, norm=a.norm)
-    if a.name == "gigpo":
-        return GiGPOAdvantage(gamma=a.gamma, omega=a.omega, invalid_penalty=a.invalid_penalty, norm=a.norm)
-    if a.name == "rloo":
-        return RLOOAdvantage(invalid_penalty=a.invalid_penalty)
-    if a.name == "reinforce_pp":
-        return ReinforcePlusPlusAdvantage(invalid_penalty=a.invalid_penalty)
-    raise ValueError(f"algorithm.name: unknown algorithm {a.name!r}; use grpo, gigpo, rloo or reinforce_pp")
+    estimator = ESTIMATORS[a.name]
+    c = a.invalid_penalty
+    if estimator == "grpo":
+        return GRPOAdvantage(invalid_penalty=c, norm=a.norm)
+    if estimator == "gigpo":
+        return GiGPOAdvantage(gamma=a.gamma, omega=a.omega, invalid_penalty=c, norm=a.norm,
+                              similarity_threshold=a.similarity_threshold)
+    if estimator == "rloo":
+        return RLOOAdvantage(invalid_penalty=c)
+    if estimator == "reinforce_pp":
+        return ReinforcePlusPlusAdvantage(gamma=a.gamma, invalid_penalty=c)
+    if estimator == "reinforce_pp_baseline":
+        return ReinforcePlusPlusBaselineAdvantage(invalid_penalty=c)
+    if estimator == "grpo_passk":
+        return GRPOPassKAdvantage(invalid_penalty=c, norm=a.norm)
+    if estimator == "remax":
+        return ReMaxAdvantage(invalid_penalty=c)
+    return None  # gae (ppo)
+
+
+def build_loss(cfg) -> ClipPolicyLoss:
+    """The policy loss of the ``algorithm`` config."""
+    a = cfg.algorithm
+    return ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
+                          kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, ratio=a.ratio, max_log_ratio=a.max_log_ratio,
+                          kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
 
 
 def _pad(values: list[torch.Tensor], width: int) -> torch.Tensor:
@@ -159,6 +183,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
+        check_algorithm(cfg)  # a wrong algorithm setting fails before any model is loaded
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
@@ -175,7 +200,7 @@ class Trainer:
             # LoRA: only the adapters train; the reference policy is the base model with the
             # adapters disabled (no second copy of the weights)
             self.model = apply_lora(self.model, cfg.model)
-        elif a.kl_coef > 0:  # the frozen initial policy (a full copy on every rank)
+        elif a.kl_coef > 0 or a.kl_in_reward:  # the frozen initial policy (a full copy on every rank)
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
         # the rollout engine's weights: the training model itself in a single process; under torchrun
         # rank 0's own full copy (a forward of the sharded model is collective), synced after updates
@@ -194,9 +219,10 @@ class Trainer:
                                            progress=cfg.progress)
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature)
-        self.loss = ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
-                                   aggregation=a.aggregation, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
-                                   ratio=a.ratio)
+        self.loss = build_loss(cfg)
+        # per-algorithm collection (dynamic sampling, ReMax baseline) and preparation (KL in the
+        # reward, PPO's critic): rank 0 only
+        self.hooks = AlgorithmHooks(cfg, self) if is_main_process() else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
@@ -230,9 +256,9 @@ class Trainer:
         if a.kl_coef > 0 and self.cfg.model.lora_rank > 0:
             with self.model.disable_adapter():
                 ref = self.recompute(self.model, rows)
-        elif self.reference is not None:
+        elif self.reference is not None and a.kl_coef > 0:
             ref = self.recompute(self.reference, rows)
-        advantage = rows["advantage"].reshape(-1).float()
+        advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
         steps = 0
@@ -248,7 +274,7 @@ class Trainer:
                 batch = TensorDict({
                     "log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
                     "old_log_prob": _pad([old[i] for i in idx], width),
-                    "advantage": advantage[idx].to(mask.device),
+                    "advantage": minibatch_advantage(advantage, idx, width).to(mask.device),
                 }, batch_size=[len(idx)])
                 if ref is not None:
                     batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
@@ -383,9 +409,10 @@ class Trainer:
             if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
                 record.update(self.evaluate())
                 evals.append((it, record["eval_success"]))
-            rows = self.collector.collect()
-            rows = broadcast_object(self.advantage(rows))  # to every rank (as is in a single process)
-            record.update(episode_metrics(rows))
+            rows, sampling = self.hooks.collect(self.collector)
+            rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
+            rows = broadcast_object(rows)  # to every rank (as is in a single process)
+            record.update(episode_metrics(rows), **sampling, **prepared)
             record.update(self.update(rows))
             stats = self.collector.stats
             record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
