@@ -13,7 +13,7 @@ from torchrl_agent.trainers.cli import compose_config, config_dir, main
 
 TINY = ["iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
         "env.max_steps=2", "warm_start.steps=0", "rollout.max_new_tokens=6", "progress=false",
-        "algorithm.lr=1e-3", "algorithm.minibatch_size=4"]
+        "algorithm.lr=1e-3", "algorithm.minibatch_size=8", "threads=1"]
 CONFIGS = sorted(p.stem for p in (config_dir() / "algorithm").glob("*.yaml"))
 
 

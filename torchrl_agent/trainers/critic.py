@@ -112,7 +112,7 @@ class Critic:
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
                 self.optimizer.step()
                 steps += 1
-                totals["value_loss"] += float(loss)
+                totals["value_loss"] += float(loss.detach())
                 totals["value_clip_fraction"] += float(frac)
                 totals["value_mean"] += float(value.detach()[mask].mean()) if bool(mask.any()) else 0.0
                 totals["critic_grad_norm"] += float(grad_norm)
