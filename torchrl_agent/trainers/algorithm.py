@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 
 import torch
 from tensordict import TensorDictBase
@@ -64,6 +65,9 @@ def check_algorithm(cfg) -> None:
         raise ValueError("env.group_size must be >= 2 for algorithm.name=grpo_passk")
     if a.name == "remax" and a.dynamic_sampling:
         raise ValueError("algorithm.dynamic_sampling is not supported with algorithm.name=remax")
+    if a.kl_in_reward and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("algorithm.kl_in_reward is not supported under torchrun yet (the sharded reference "
+                         "cannot run on rank 0 alone); use it in a single process or use algorithm.kl_coef")
     if a.critic_lr <= 0:
         raise ValueError(f"algorithm.critic_lr must be > 0, got {a.critic_lr}")
 
@@ -118,8 +122,8 @@ class AlgorithmHooks:
             from torchrl_agent.models import model_path
             from torchrl_agent.trainers.critic import Critic, ValueModel
 
-            value_model = ValueModel.from_pretrained(model_path(cfg.model), trainer.tokenizer.pad_token_id,
-                                                     dtype=getattr(torch, cfg.model.dtype))
+            # float32 weights (as the policy's master weights); the critic is small next to the policy
+            value_model = ValueModel.from_pretrained(model_path(cfg.model), trainer.tokenizer.pad_token_id)
             self.critic = Critic(value_model.to(trainer.device), lr=a.critic_lr, weight_decay=a.weight_decay,
                                  value_clip=a.value_clip, grad_clip=a.grad_clip, aggregation=a.aggregation,
                                  norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
@@ -167,16 +171,15 @@ class AlgorithmHooks:
         return rows, metrics
 
     def _old_and_ref(self, rows: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded ``[N, T]`` log-probs of the sampled responses under the current (rollout) and the
-        reference policy (the base model with the LoRA adapters disabled, or the frozen copy)."""
+        """Padded ``[N, T]`` log-probs of the sampled responses under the current and the reference
+        policy (the frozen copy, or the base model with the LoRA adapters disabled)."""
         t = self.trainer
-        model = t.rollout_model
-        old = t.recompute(model, rows)
+        old = t.recompute(t.model, rows)
         if t.reference is not None:
             ref = t.recompute(t.reference, rows)
         else:  # LoRA: the reference is the base model
-            with model.disable_adapter():
-                ref = t.recompute(model, rows)
+            with t.model.disable_adapter():
+                ref = t.recompute(t.model, rows)
         width = max(1, max((len(x) for x in old), default=1))
         return _pad(old, width), _pad(ref, width)
 
