@@ -1,7 +1,7 @@
 """GiGPO advantage speed: vectorised tensor ops vs a plain Python-loop (dict) implementation.
 
 Batches of G groups x 8 trajectories x 50 steps (G = 16, the paper's setup, and G = 160).
-Both implementations compute the same semantics (ALGORITHMS.md) and are checked equal.
+Both implementations compute the same semantics (docs/algorithms.md) and are checked equal.
 The last printed line is one JSON object (``speedup_vs_loop`` is the larger size's figure).
 
     python benchmarks/advantage_speed.py

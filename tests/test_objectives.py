@@ -64,7 +64,7 @@ def mean_std(xs):
 
 # --------------------------------------------------------------------------- a loop reference
 def loop_gigpo(reward, group, traj, step, anchor, valid, gamma, omega, c, norm, eps=EPS):
-    """Dict-based re-statement of ALGORITHMS.md (rows walked one by one), for property tests."""
+    """Dict-based re-statement of docs/algorithms.md (rows walked one by one), for property tests."""
     reward, group, traj, step, anchor, valid = (x.tolist() for x in (reward, group, traj, step, anchor, valid))
     n = len(reward)
     ep = defaultdict(float)

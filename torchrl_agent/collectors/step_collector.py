@@ -3,7 +3,7 @@
 Each call to :meth:`StepCollector.collect` runs one episode in every environment of the batch
 (``num_groups * group_size``; the games of a group share their initial state) and returns one
 **row per step** (``N = sum of episode lengths``) as a ``LazyStackedTensorDict`` ``[N]`` with the
-keys of the data contract (``DESIGN.md``): the step's input (``task``, ``observation``,
+keys of the data contract (the README's "The data contract"): the step's input (``task``, ``observation``,
 ``admissible_actions``, ``anchor``, ``memory``, ``step_count``, ``("text", "prompt")``), the
 policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
 ``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
