@@ -42,6 +42,8 @@ def test_algorithm_trains_two_iterations_from_its_config(config, tmp_path):
         assert trainer.hooks.critic is not None and abs(float(trainer.hooks.critic.model.head.weight.abs().sum())) > 0
     if cfg.algorithm.dynamic_sampling:
         assert all(1 <= r["sampling_tries"] <= 3 for r in records)
+    if cfg.algorithm.name == "remax":  # the greedy baseline episodes started from the batch's states
+        assert trainer.hooks.remax.env.base_env.group_seeds == trainer.env.base_env.group_seeds
     if cfg.algorithm.kl_coef > 0:
         assert all("loss_kl" in r for r in records)
 

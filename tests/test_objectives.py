@@ -871,3 +871,23 @@ def test_score_penalty_enters_every_row_estimator():
     td = TensorDict(reward=reward[:, None], group_id=group, traj_id=traj, action_valid=valid[:, None],
                     kl_penalty=pen[:, None], batch_size=[len(group)])
     torch.testing.assert_close(RLOOAdvantage()(td)["advantage"].squeeze(-1), rloo_advantage(scores, group, one))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_grpo_and_rloo_match_reference_loops(seed):
+    reward, group, traj, valid, _, _ = _token_case(seed)
+    reward[group == 3] = 0.5  # one all-equal group
+    valid[group == 3] = True
+    scores = ref_scores(reward, traj, valid, 0.1)
+    by_group = defaultdict(list)
+    for s_, gid in zip(scores.tolist(), group.tolist()):
+        by_group[gid].append(s_)
+    grpo, rloo = [], []
+    for s_, gid in zip(scores.tolist(), group.tolist()):
+        vals = torch.tensor(by_group[gid], dtype=torch.float64)
+        n = len(vals)
+        mean, std = (vals.mean(), torch.std(vals)) if n > 1 else (torch.tensor(0.0), torch.tensor(1.0))
+        grpo.append(float((s_ - mean) / (std + 1e-6)))
+        rloo.append(s_ * n / (n - 1) - float(mean) * n / (n - 1) if n > 1 else s_)
+    torch.testing.assert_close(grpo_advantage(reward, group, traj, valid), t(grpo))
+    torch.testing.assert_close(rloo_advantage(reward, group, traj, valid), t(rloo))
