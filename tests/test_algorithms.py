@@ -73,3 +73,19 @@ def test_unknown_algorithm_lists_the_valid_ones(tmp_path, capsys):
     assert main(["train", "algorithm.kl_type=k9", f"run_dir={tmp_path}"]) == 2
     assert "algorithm.kl_type" in capsys.readouterr().err
     assert not list(Path(tmp_path).glob("*.jsonl"))
+
+
+def test_algorithm_state_round_trips(tmp_path):
+    from torchrl_agent.trainers import Trainer
+
+    cfg = compose_config([*TINY, "iterations=1", "algorithm=ppo", "algorithm.kl_in_reward=true",
+                          "algorithm.kl_ctrl=adaptive", f"run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    trainer.train()
+    state = trainer.hooks.state_dict()
+    fresh = Trainer(compose_config([*TINY, "iterations=1", "algorithm=ppo", "algorithm.kl_in_reward=true",
+                                    "algorithm.kl_ctrl=adaptive", f"run_dir={tmp_path / 'b'}"]))
+    fresh.hooks.load_state_dict(state)
+    assert fresh.hooks.kl_ctrl.value == trainer.hooks.kl_ctrl.value != cfg.algorithm.kl_reward_coef
+    for a, b in zip(fresh.hooks.critic.model.parameters(), trainer.hooks.critic.model.parameters()):
+        assert torch.equal(a, b)

@@ -129,6 +129,22 @@ class AlgorithmHooks:
                                  norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
         self.remax = _ReMaxBaseline(cfg, trainer) if a.name == "remax" else None
 
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What a resumed run needs: the critic (weights and optimizer), the KL controller's
+        coefficient and the ReMax baseline collector's place in its stream."""
+        return {"critic": self.critic.state_dict() if self.critic is not None else None,
+                "kl_ctrl": self.kl_ctrl.state_dict() if self.kl_ctrl is not None else None,
+                "remax": self.remax.collector.state_dict() if self.remax is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.critic is not None and state.get("critic"):
+            self.critic.load_state_dict(state["critic"])
+        if self.kl_ctrl is not None and state.get("kl_ctrl"):
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if self.remax is not None and state.get("remax"):
+            self.remax.collector.load_state_dict(state["remax"])
+
     # ------------------------------------------------------------------ collection
     def collect(self, collector) -> tuple[TensorDictBase, dict[str, float]]:
         """One training batch of rows (see the module docstring) and its sampling metrics."""
