@@ -269,5 +269,54 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_master_weights(tiny_path, dist_re
     assert bf16["loss"] != fp32["loss"]  # and really computed in bf16
 
 
-if __name__ == "__main__":  # the torchrun worker
-    _worker(sys.argv[1], sys.argv[2])
+def _trainer_worker(out_path: str, run_dir: str) -> None:
+    """The Trainer itself under torchrun: bf16 compute, a KL reference, micro-batches, one iteration."""
+    from torch.distributed.tensor import DTensor
+
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    torch.set_num_threads(1)
+    cfg = compose_config(["env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2",
+                          "rollout.max_new_tokens=6", "progress=false", "eval_every=0", "iterations=1", "warm_start.steps=0",
+                          "model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.micro_batch_tokens=64",
+                          "algorithm.minibatch_size=4", "device=cpu", f"run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    reference = list(trainer.reference.parameters())
+    result = {
+        "reference_sharded": all(isinstance(p, DTensor) for p in reference),
+        "reference_local": sum(p.to_local().numel() for p in reference),
+        "reference_full": sum(p.numel() for p in reference),
+        "reference_dtypes": {p.dtype for p in reference},
+        "master_dtypes": {p.dtype for p in trainer.model.parameters()},
+        "rollout_dtypes": ({p.dtype for p in trainer.rollout_model.parameters()}
+                           if trainer.rollout_model is not None else None),
+    }
+    trainer.train()
+    if is_main_process():
+        result["history"] = trainer.history
+        torch.save(result, out_path)
+    from torchrl_agent.trainers.distributed import cleanup
+
+    cleanup()
+
+
+def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weights(tmp_path):
+    out = tmp_path / "trainer.pt"
+    _torchrun("trainer", str(out), str(tmp_path / "run"))
+    result = torch.load(out, weights_only=False)
+    assert result["reference_sharded"] and result["reference_local"] < 0.6 * result["reference_full"]
+    assert result["reference_dtypes"] == {torch.bfloat16}  # frozen: held in the compute dtype
+    assert result["master_dtypes"] == {torch.float32} and result["rollout_dtypes"] == {torch.bfloat16}
+    record = [h for h in result["history"] if "loss" in h][0]
+    assert record["skipped_steps"] == 0 and torch.isfinite(torch.tensor(record["loss"]))
+    assert "loss_kl" in record
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
+    assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
+
+
+if __name__ == "__main__":  # the torchrun workers
+    if sys.argv[1] == "trainer":
+        _trainer_worker(sys.argv[2], sys.argv[3])
+    else:
+        _worker(sys.argv[1], sys.argv[2])
