@@ -1,87 +1,81 @@
-"""FSDP2 training smoke and throughput: a few collect -> advantage -> clipped-loss iterations.
+"""Training smoke and throughput of the shipped training step: a few collect -> advantage -> update
+iterations of :class:`~torchrl_agent.trainers.Trainer`, in bf16 on a GPU.
 
-Launched by ``benchmarks/gpu_smoke.sh`` (``torchrun --standalone --nproc_per_node N``; plain
-``python benchmarks/gpu_smoke.py`` runs it as one process without a process group). Per iteration:
+Launched by ``benchmarks/gpu_smoke.sh`` (``torchrun --standalone --nproc_per_node N``, so even one
+process trains through FSDP2; plain ``python benchmarks/gpu_smoke.py`` runs it without a process
+group, with autocast). The update is ``Trainer.update`` as shipped: float32 master weights and
+optimizer state, compute in ``--dtype`` (FSDP2 ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``), token-budget micro-batches (``--micro-batch-tokens``), log-probs from the LM
+head at response positions only, ``--chunk-tokens`` at a time, the KL reference (``--kl-coef``)
+sharded like the policy, and the rollout engine (rank 0's transformers engine) on a bf16 copy synced
+after every update.
 
-- rank 0 collects a batch of episodes with the transformers engine on its own rollout copy of the
-  model (bf16 on CUDA) and computes GRPO advantages; the rows are broadcast to every rank;
-- every rank recomputes the old log-probs (no grad) with the FSDP2-sharded training model, then
-  takes clipped-loss AdamW steps on its share of each mini-batch (``shard_indices``; loss scaled by
-  ``distributed_loss_scale``: gradients equal the single-process ones);
-- the full weights are gathered on rank 0 (``full_state_dict``) and loaded into the rollout copy
-  (weight sync, as for a vLLM engine).
+Models: ``qwen2-0.5b`` (the CUDA default): Qwen2.5-0.5B's architecture (24 layers, hidden 896,
+151,936-token vocabulary, tied embeddings, 494M parameters) built offline from its config with random
+weights and the bundled tokenizer, so no download is needed (throughput does not depend on the
+weights; rewards are meaningless); ``tiny`` (the CPU default), ``smollm2-135m``, or a local Hugging
+Face folder (real weights).
 
 Measured (iterations after the first, the warm-up, when there are several):
 
 - ``gen_tokens_per_s``: generated tokens / time inside the engine's ``generate``;
   ``collect_tokens_per_s``: the same over the whole collection (environments and prompts included);
-- ``train_tokens_per_s``: tokens (prompt + response, no padding) through the clipped-loss
-  forward+backward, summed over ranks / update time (old log-prob recompute included in the time);
+- ``train_tokens_per_s``: tokens (prompt + response, no padding) trained on (all epochs), summed over
+  ranks / update time (old and reference log-prob recomputation included in the time);
 - ``mfu``: ``(6 * P * train_tokens + 2 * P * recompute_tokens) / update_time / (world * peak)``, ``P``
-  the parameter count (tied embeddings counted once; attention-score FLOPs left out, so a lower
-  bound). ``peak`` = ``--peak-tflops`` (default on CUDA: 989 TFLOP/s, an H100/H200 SXM's dense
-  bf16 peak); on CPU ``mfu`` is null unless ``--peak-tflops`` is given.
+  the parameter count (tied embeddings counted once; attention-score FLOPs and the LM head's
+  recomputation in the backward left out, so a lower bound), ``recompute_tokens`` the tokens of the
+  old (and reference) log-prob passes. ``peak`` = ``--peak-tflops`` (default on CUDA: 989 TFLOP/s, an
+  H100/H200 SXM's dense bf16 peak); on CPU ``mfu`` is null unless ``--peak-tflops`` is given.
 
 Prints one line per iteration (rank 0), then one JSON object as the LAST line::
 
-    torchrun --standalone --nproc_per_node 1 benchmarks/gpu_smoke.py --model smollm2-135m --iterations 4
-    python benchmarks/gpu_smoke.py --cpu            # tiny sizes, for a check without a GPU
+    benchmarks/gpu_smoke.sh                                  # CUDA: qwen2-0.5b in bf16
+    benchmarks/gpu_smoke.sh --cpu --dtype bfloat16           # the same path on CPU, tiny sizes
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tensordict import TensorDict  # noqa: E402
-
-from torchrl_agent.collectors import StepCollector  # noqa: E402
-from torchrl_agent.models import model_path  # noqa: E402
-from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy  # noqa: E402
-from torchrl_agent.objectives import ClipPolicyLoss  # noqa: E402
 from torchrl_agent.trainers.config import TrainConfig  # noqa: E402
 from torchrl_agent.trainers.distributed import (  # noqa: E402
     broadcast_object,
     cleanup,
-    clip_grad_norm,
-    distributed_loss_scale,
-    full_state_dict,
     init_distributed,
     is_distributed,
     is_main_process,
-    reduce_mean,
-    shard_indices,
-    shard_model,
 )
-from torchrl_agent.trainers.trainer import build_advantage, build_env  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
+#: Qwen2.5-0.5B's architecture (config.json of Qwen/Qwen2.5-0.5B-Instruct)
+QWEN25_0P5B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+                   rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 
 
-class TimedPolicy(TransformersPolicy):
-    """The transformers engine with its tensors made on ``device`` and the time in ``generate`` counted."""
+def build_qwen2_0p5b() -> Path:
+    """A Qwen2.5-0.5B-architecture model with random weights and the bundled tokenizer (cached)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    def __init__(self, *args, device: torch.device, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.device, self.seconds, self.tokens = device, 0.0, 0
+    from torchrl_agent.models import build_tiny_model, cache_dir
+    from torchrl_agent.models.tiny import save_model_folder
 
-    def generate(self, prompts):
-        _sync(self.device)
-        t0 = time.perf_counter()
-        with torch.device(self.device):
-            out = super().generate(prompts)
-        _sync(self.device)
-        self.seconds += time.perf_counter() - t0
-        self.tokens += sum(len(g.response_ids) for g in out)
-        return out
+    folder = cache_dir() / "models" / "qwen2-0.5b-config"
+    if (folder / "model.safetensors").exists():
+        return folder
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_0P5B)).to(torch.bfloat16)
+    return save_model_folder(model, AutoTokenizer.from_pretrained(build_tiny_model()), folder)
 
 
 def _sync(device: torch.device) -> None:
@@ -89,31 +83,29 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pad(values: list[torch.Tensor], width: int, device) -> torch.Tensor:
-    out = torch.zeros(len(values), width, device=device)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = v[:width]
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="force CPU (gloo); default: CUDA when available")
-    p.add_argument("--model", default="tiny", help="tiny | smollm2-135m | a local Hugging Face folder")
+    p.add_argument("--model", default=None,
+                   help="qwen2-0.5b (CUDA default) | tiny (CPU default) | smollm2-135m | a local Hugging Face folder")
     p.add_argument("--env", default="numberline")
     p.add_argument("--iterations", type=int, default=None, help="default: 4 on CUDA, 2 on CPU")
     p.add_argument("--groups", type=int, default=None, help="groups per batch (default: 16 CUDA, 2 CPU)")
     p.add_argument("--group-size", type=int, default=None, help="default: 8 CUDA, 2 CPU")
     p.add_argument("--max-steps", type=int, default=None, help="episode length cap (default: 6 CUDA, 2 CPU)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 64 CUDA, 8 CPU")
-    p.add_argument("--minibatch-size", type=int, default=None, help="rows per step (default: 64 CUDA, 4 CPU)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 CUDA, 8 CPU")
+    p.add_argument("--minibatch-size", type=int, default=None, help="rows per step (default: 256 CUDA, 4 CPU)")
+    p.add_argument("--micro-batch-tokens", type=int, default=None, help="default: 16384 CUDA, 256 CPU")
+    p.add_argument("--chunk-tokens", type=int, default=None, help="LM-head chunk (default: 1024 CUDA, 16 CPU)")
+    p.add_argument("--kl-coef", type=float, default=0.01, help="> 0: a KL reference, sharded like the policy")
     p.add_argument("--lr", type=float, default=1e-6)
     p.add_argument("--dtype", default=None, help="compute dtype: bfloat16 (CUDA default) | float32 (CPU default)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help=f"peak FLOP/s per device for MFU, in TFLOP/s (CUDA default {H200_BF16_DENSE_TFLOPS})")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    for name in ("iterations", "groups", "group_size", "max_steps", "max_new_tokens", "minibatch_size"):
+    for name in ("iterations", "groups", "group_size", "max_steps", "max_new_tokens", "minibatch_size",
+                 "micro_batch_tokens", "chunk_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -124,127 +116,87 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, world, device = init_distributed("cpu" if args.cpu else None)
     cuda = device.type == "cuda"
-    big = cuda  # GPU sizes vs tiny CPU sizes
 
     def pick(value, gpu, cpu):
-        return value if value is not None else (gpu if big else cpu)
+        return value if value is not None else (gpu if cuda else cpu)
 
     iterations = pick(args.iterations, 4, 2)
-    dtype = getattr(torch, pick(args.dtype, "bfloat16", "float32"), None)
-    if not isinstance(dtype, torch.dtype):
-        raise SystemExit(f"--dtype: unknown dtype {args.dtype!r}")
     peak = args.peak_tflops if args.peak_tflops is not None else (H200_BF16_DENSE_TFLOPS if cuda else None)
-    torch.manual_seed(args.seed)
+    model = pick(args.model, "qwen2-0.5b", "tiny")
 
     cfg = TrainConfig()
     cfg.seed = args.seed
+    cfg.device = "cpu" if args.cpu else None
+    cfg.progress = False
+    cfg.run_dir = f"runs/gpu_smoke-{time.strftime('%Y%m%d-%H%M%S')}"
     cfg.env.name = args.env
     cfg.env.num_groups = pick(args.groups, 16, 2)
     cfg.env.group_size = pick(args.group_size, 8, 2)
     cfg.env.max_steps = pick(args.max_steps, 6, 2)
-    cfg.rollout.max_new_tokens = pick(args.max_new_tokens, 64, 8)
-    cfg.algorithm.minibatch_size = pick(args.minibatch_size, 64, 4)
-    cfg.algorithm.lr = args.lr
-    cfg.algorithm.kl_coef = 0.0
-    if os.path.isdir(args.model):
-        cfg.model.path = args.model
-    else:
-        cfg.model.name = args.model
+    cfg.rollout.max_new_tokens = pick(args.max_new_tokens, 256, 8)
+    cfg.rollout.batch_size = 256 if cuda else 64
+    cfg.rollout.logprob_warn_threshold = 1.0  # bf16 engine vs trainer: reported, not warned about
     a = cfg.algorithm
+    a.minibatch_size = pick(args.minibatch_size, 256, 4)
+    a.micro_batch_tokens = pick(args.micro_batch_tokens, 16384, 256)
+    a.logprob_chunk_tokens = pick(args.chunk_tokens, 1024, 16)
+    a.lr, a.kl_coef = args.lr, args.kl_coef
+    cfg.model.dtype = pick(args.dtype, "bfloat16", "float32")
+    if model == "qwen2-0.5b":
+        model_dir = str(build_qwen2_0p5b()) if is_main_process() else None
+        cfg.model.name, cfg.model.path = "hf", broadcast_object(model_dir)  # rank 0 builds it once
+    elif os.path.isdir(model):
+        cfg.model.name, cfg.model.path = "hf", model
+    else:
+        cfg.model.name = model
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from torchrl_agent.trainers import Trainer
 
-    path = model_path(cfg.model) if is_main_process() else None
-    path = broadcast_object(path)  # rank 0 builds the tiny model once; the others read its folder
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    trainer = Trainer(cfg)
+    # tied embeddings counted once; a DTensor shard's numel() is the full parameter's
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    gen = {"s": 0.0, "tokens": 0}
+    if trainer.policy is not None:  # rank 0: time the engine's generate
+        generate = trainer.policy.generate
 
-    # the training model: fp32 master weights, sharded; bf16 compute on CUDA
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device).train()
-    n_params = sum(p.numel() for p in model.parameters())  # shared (tied) parameters counted once
-    mp_policy = None
-    if dtype != torch.float32:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        def timed_generate(prompts):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = generate(prompts)
+            _sync(device)
+            gen["s"] += time.perf_counter() - t0
+            gen["tokens"] += sum(len(g.response_ids) for g in out)
+            return out
 
-        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    model = shard_model(model, mp_policy=mp_policy)
-    sharded = is_distributed()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-    actor = ResponseLogProbs(model, tokenizer.pad_token_id, temperature=cfg.rollout.temperature)
-    loss_module = ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
-                                 aggregation=a.aggregation, kl_coef=0.0, entropy_coef=a.entropy_coef)
-    autocast = (torch.autocast("cuda", dtype=dtype) if cuda and dtype != torch.float32 and not sharded
-                else contextlib.nullcontext())  # without FSDP2 (plain python launch), autocast does bf16
-
-    # the rollout engine: rank 0's own copy (as a vLLM engine would be), synced after each update
-    collector = advantage = policy = None
-    if is_main_process():
-        rollout_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        policy = TimedPolicy(rollout_model, tokenizer, max_new_tokens=cfg.rollout.max_new_tokens,
-                             temperature=cfg.rollout.temperature, batch_size=cfg.rollout.batch_size, device=device)
-        collector = StepCollector(build_env(cfg, tokenizer), policy, seed=cfg.seed, progress=False)
-        advantage = build_advantage(cfg)
+        trainer.policy.generate = timed_generate
 
     records = []
     for it in range(iterations):
-        # ---- collect (rank 0), share the rows
+        trainer.iteration = it
         t0 = time.perf_counter()
-        gen_s0, gen_tok0 = (policy.seconds, policy.tokens) if policy is not None else (0.0, 0)
-        rows = advantage(collector.collect()) if is_main_process() else None
+        gen_s0, gen_tok0 = gen["s"], gen["tokens"]
+        rows = trainer.advantage(trainer.collector.collect()) if is_main_process() else None
         collect_s = time.perf_counter() - t0
         rows = broadcast_object(rows)
         n = rows.batch_size[0]
-
-        # ---- update (every rank)
+        lengths = [len(p) + len(r) for p, r in zip(rows.get(("tokens", "prompt"), as_list=True),
+                                                   rows.get(("tokens", "response"), as_list=True))]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         t1 = time.perf_counter()
-        with torch.no_grad(), torch.device(device), autocast:
-            old = []
-            for start in range(0, n, a.minibatch_size):
-                part = actor(rows[start:start + a.minibatch_size])
-                old += [lp[: int(m)] for lp, m in zip(part["log_prob"], part["mask"].sum(-1))]
-        lengths = (rows["prompt_tokens"].reshape(-1) + rows["response_tokens"].reshape(-1)).tolist()
-        adv = rows["advantage"].reshape(-1).float()
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed * 7919 + it))
-        trained_tokens, losses_seen, norms = 0, [], []
-        for start in range(0, n, a.minibatch_size):
-            local, active = shard_indices(order[start:start + a.minibatch_size])
-            with torch.device(device), autocast:
-                mb = actor(rows[local])
-                width = mb["log_prob"].shape[-1]
-                mask = mb["mask"] & active
-                batch = TensorDict({"log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
-                                    "old_log_prob": _pad([old[i] for i in local], width, device),
-                                    "advantage": adv[local].to(device)}, batch_size=[len(local)])
-                losses = loss_module(batch)
-                total = sum(v for k, v in losses.items() if k.startswith("loss_"))
-                scale = distributed_loss_scale(mask, a.aggregation)
-            optimizer.zero_grad(set_to_none=True)
-            (scale * total).backward()
-            norms.append(float(clip_grad_norm(model.parameters(), a.grad_clip)))
-            optimizer.step()
-            losses_seen.append(reduce_mean(scale * total.detach()))
-            trained_tokens += sum(lengths[i] for i in local) if active else 0
+        metrics = trainer.update(rows)  # recompute, micro-batched steps, weight sync into the engine
         _sync(device)
         update_s = time.perf_counter() - t1
-        trained_tokens = round(reduce_mean(trained_tokens) * world)
-        recompute_tokens = sum(lengths)
-
-        # ---- weight sync into the rollout copy
-        t2 = time.perf_counter()
-        state = full_state_dict(model)
-        if is_main_process():
-            policy.model.load_state_dict(state)
-        _sync(device)
-        sync_s = time.perf_counter() - t2
-
+        trained_tokens = a.epochs * sum(lengths)
+        recompute_tokens = sum(lengths) * (2 if a.kl_coef > 0 else 1)
         flops = 6 * n_params * trained_tokens + 2 * n_params * recompute_tokens
-        rec = {"iteration": it, "rows": n, "loss": sum(losses_seen) / len(losses_seen),
-               "grad_norm": sum(norms) / len(norms), "collect_s": collect_s, "update_s": update_s,
-               "sync_s": sync_s, "generated_tokens": (policy.tokens - gen_tok0) if policy else 0,
-               "generate_s": (policy.seconds - gen_s0) if policy else 0.0,
-               "trained_tokens": trained_tokens, "recompute_tokens": recompute_tokens, "flops": flops}
+        rec = {"iteration": it, "rows": n, "loss": metrics.get("loss"), "grad_norm": metrics.get("grad_norm"),
+               "skipped_steps": metrics["skipped_steps"], "logprob_diff_max": metrics["logprob_diff_max"],
+               "collect_s": collect_s, "update_s": update_s,
+               "generated_tokens": gen["tokens"] - gen_tok0, "generate_s": gen["s"] - gen_s0,
+               "trained_tokens": trained_tokens, "recompute_tokens": recompute_tokens, "flops": flops,
+               "max_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None}
         records.append(rec)
         if is_main_process():
             print("iteration " + json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
@@ -258,18 +210,22 @@ def main(argv=None) -> dict:
     update_s = total("update_s")
     summary = {
         "benchmark": "gpu_smoke", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "world_size": world, "fsdp2": sharded, "model": args.model, "params": n_params,
-        "dtype": str(dtype).replace("torch.", ""), "env": args.env, "iterations": iterations,
-        "measured_iterations": len(steady), "rows_per_iteration": total("rows") / len(steady),
+        "world_size": world, "fsdp2": is_distributed(), "model": model, "params": n_params,
+        "dtype": cfg.model.dtype, "master_dtype": str(next(trainer.model.parameters()).dtype).replace("torch.", ""),
+        "env": args.env, "iterations": iterations, "measured_iterations": len(steady),
+        "rows_per_iteration": total("rows") / len(steady),
+        "micro_batch_tokens": a.micro_batch_tokens, "logprob_chunk_tokens": a.logprob_chunk_tokens,
+        "kl_coef": a.kl_coef,
         "gen_tokens_per_s": total("generated_tokens") / max(total("generate_s"), 1e-9),
         "collect_tokens_per_s": total("generated_tokens") / max(total("collect_s"), 1e-9),
         "train_tokens_per_s": total("trained_tokens") / max(update_s, 1e-9),
         "update_s_per_iteration": update_s / len(steady),
-        "weight_sync_s": total("sync_s") / len(steady),
         "peak_tflops": peak,
         "mfu": (total("flops") / update_s / (world * peak * 1e12)) if peak else None,
         "loss_last": records[-1]["loss"], "grad_norm_last": records[-1]["grad_norm"],
-        "max_memory_gib": (torch.cuda.max_memory_allocated(device) / 2**30) if cuda else None,
+        "skipped_steps": sum(r["skipped_steps"] for r in records),
+        "logprob_diff_max_last": records[-1]["logprob_diff_max"],
+        "max_memory_gib": max((r["max_memory_gib"] or 0.0) for r in records) if cuda else None,
     }
     if is_main_process():
         print(json.dumps(summary), flush=True)

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# FSDP2 training smoke + throughput on one machine (see benchmarks/gpu_smoke.py); the LAST line of
-# its output is one JSON object (tokens/s for generation and training, MFU, memory).
+# Training smoke + throughput of the shipped training step (Trainer.update under FSDP2: float32 master
+# weights, bf16 compute, token-budget micro-batches, chunked log-probs, sharded KL reference; see
+# benchmarks/gpu_smoke.py); the LAST line of its output is one JSON object (tokens/s for generation
+# and training, MFU, memory).
 #
-#   benchmarks/gpu_smoke.sh                                   # CUDA if present, else CPU; tiny model
-#   benchmarks/gpu_smoke.sh --model smollm2-135m --iterations 4
+#   benchmarks/gpu_smoke.sh                                   # CUDA: a Qwen2.5-0.5B-architecture model, bf16
+#   benchmarks/gpu_smoke.sh --model /path/to/Qwen2.5-1.5B-Instruct --iterations 4
+#   benchmarks/gpu_smoke.sh --cpu --dtype bfloat16            # the same path on CPU, tiny model and sizes
 #   NPROC=2 benchmarks/gpu_smoke.sh --cpu                     # 2 CPU processes (gloo)
 #
 # Environment: NPROC (processes, default 1), PYTHON (default: .venv/bin/python if present, else

@@ -76,7 +76,7 @@ from torchrl_agent.trainers.distributed import (
     shard_model,
 )
 
-__all__ = ["Trainer", "TrainingDivergedError", "build_env", "token_budget_batches"]
+__all__ = ["Trainer", "TrainingDivergedError", "build_env", "micro_batches", "token_budget_batches"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -192,6 +192,20 @@ def _lengths(rows: TensorDictBase) -> tuple[list[int], list[int]]:
     responses = [len(r) for r in rows.get(("tokens", "response"), as_list=True)]
     prompts = [len(p) for p in rows.get(("tokens", "prompt"), as_list=True)]
     return [p + r for p, r in zip(prompts, responses)], responses
+
+
+def micro_batches(rows: TensorDictBase, idx: list[int], active: bool = True, *, budget: int,
+                  aggregation: str) -> list[tuple[list[int], float, bool]]:
+    """This rank's rows ``idx`` of a mini-batch as ``(rows, loss weight, active)`` micro-batches of
+    at most ``budget`` padded tokens (:func:`token_budget_batches`). The weights make the sum of
+    the micro-batches' weighted losses the whole mini-batch's loss, so accumulating their gradients
+    gives the mini-batch's gradient (:func:`~torchrl_agent.trainers.distributed.accumulation_weights`,
+    exact over FSDP2 ranks). Every rank gets the same number of micro-batches: an ``active=False``
+    one (weight 0, to run with a zero mask) fills in where a rank has fewer."""
+    lengths, responses = _lengths(rows)
+    batches = token_budget_batches(idx, lengths, budget) if active else []
+    weights, count = accumulation_weights([loss_units([responses[i] for i in b], aggregation) for b in batches])
+    return [(b, w, True) for b, w in zip(batches, weights)] + [(idx[:1], 0.0, False)] * (count - len(batches))
 
 
 class TrainingDivergedError(RuntimeError):
@@ -313,17 +327,9 @@ class Trainer:
         return self.recompute(self.reference, rows)
 
     def micro_batches(self, rows: TensorDictBase, idx: list[int], active: bool) -> list[tuple[list[int], float, bool]]:
-        """This rank's rows ``idx`` of a mini-batch as ``(rows, loss weight, active)`` micro-batches
-        of at most ``algorithm.micro_batch_tokens`` padded tokens; the weights make the accumulated
-        gradient the whole mini-batch's (:func:`accumulation_weights`). Every rank gets the same
-        number of micro-batches (weightless inactive ones fill in)."""
+        """:func:`micro_batches` of this rank's rows ``idx`` of a mini-batch, per the config."""
         a = self.cfg.algorithm
-        lengths, responses = _lengths(rows)
-        batches = token_budget_batches(idx, lengths, a.micro_batch_tokens) if active else []
-        weights, count = accumulation_weights([loss_units([responses[i] for i in b], a.aggregation)
-                                               for b in batches])
-        return ([(b, w, True) for b, w in zip(batches, weights)]
-                + [(idx[:1], 0.0, False)] * (count - len(batches)))
+        return micro_batches(rows, idx, active, budget=a.micro_batch_tokens, aggregation=a.aggregation)
 
     def loss_inputs(self, rows: TensorDictBase, idx: list[int], old, ref, advantage, active: bool = True) -> TensorDict:
         """The loss module's input for rows ``idx``: current log-probs and entropies (with grad, in
