@@ -34,13 +34,13 @@ from torchrl.envs import Compose, TransformedEnv
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
-    PROMPT_TEMPLATES,
     ActionProjection,
     FullHistory,
     NoHistory,
     PromptTransform,
     SummaryMemory,
     WindowMemory,
+    resolve_template,
 )
 from torchrl_agent.models import load_model, model_path
 from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
@@ -98,10 +98,10 @@ def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None)
         base = make_env(e.name, num_groups=e.num_groups, group_size=e.group_size, seed=cfg.seed, **kwargs)
     else:
         base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
-    template = e.template or (e.name if e.name in PROMPT_TEMPLATES else "default")
     transforms = Compose(build_memory(cfg.memory, policy),
-                         PromptTransform(tokenizer, template, max_prompt_tokens=cfg.memory.max_prompt_tokens),
-                         ActionProjection(e.action_format))
+                         PromptTransform(tokenizer, resolve_template(e.template, e.name),
+                                         max_prompt_tokens=cfg.memory.max_prompt_tokens),
+                         ActionProjection(e.action_format, env_name=e.name, max_chars=e.max_response_chars))
     return TransformedEnv(base, transforms)
 
 
