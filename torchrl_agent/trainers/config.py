@@ -66,6 +66,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.01
     entropy_coef: float = 0.001
     lr: float = 1e-6
+    lr_warmup_ratio: float = 0.0  # linear warm-up from 0 over this fraction of the iterations (verl's lr_warmup_steps_ratio)
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     epochs: int = 1

@@ -220,10 +220,19 @@ class Trainer:
             out += [lp[: int(n)] for lp, n in zip(part["log_prob"], lengths)]
         return out
 
+    def warmup_lr(self) -> float:
+        """The learning rate of this iteration: ``algorithm.lr`` after a linear warm-up over the first
+        ``lr_warmup_ratio * iterations`` iterations, from 0 (verl's constant schedule with warm-up)."""
+        a = self.cfg.algorithm
+        warmup = int(a.lr_warmup_ratio * self.cfg.iterations)
+        return a.lr * min(1.0, self.iteration / warmup) if warmup > 0 else a.lr
+
     def update(self, rows: TensorDictBase) -> dict[str, float]:
         """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics."""
         a = self.cfg.algorithm
         n = rows.batch_size[0]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.warmup_lr()
         old = self.recompute(self.model, rows)
         consistency = self.logprob_consistency(rows, old)
         ref = None

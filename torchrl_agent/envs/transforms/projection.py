@@ -28,8 +28,8 @@ validity here. ``"reference"`` with the env name (:func:`resolve_format`) picks 
   in any order) or holds a character in U+4E00..U+9FFF.
 * ``reference_sokoban``: the same extraction; the command is the first of ``up``, ``down``,
   ``left``, ``right``, ``still`` contained in the action text, written as the reference's memory
-  writes it (``"Up"``...). No tags or no direction: ``"Still"`` (a no-op), invalid. The
-  ``<think>`` check as for ALFWorld; no CJK check.
+  writes it (``"Up"``...; ``"Still"`` is a no-op). No tags or none of the five: ``"Still"``,
+  invalid. The ``<think>`` check as for ALFWorld; no CJK check.
 * ``reference_numberline``, ``reference_blackjack``, ``reference_ezpoints``,
   ``reference_points24`` (the Gym Cards rule): the lower-cased response from its first
   ``"action":`` on (the last character alone when there is none) must contain exactly one of the
@@ -178,8 +178,8 @@ def _reference(response: str, env: str) -> tuple[str, bool]:
         return action, think_ok and not _CJK_REFERENCE.search(response)
     if env == "sokoban":
         action, think_ok = _reference_tags(response)
-        move = next((m for m in _SOKOBAN_MOVES if action is not None and m in action), "still")
-        return move.capitalize(), think_ok and move != "still"
+        move = next((m for m in _SOKOBAN_MOVES if action is not None and m in action), None)
+        return (move or "still").capitalize(), think_ok and move is not None
     if env == "search":
         cut = response
         for close in ("</search>", "</answer>"):  # the reference trims case-sensitively
@@ -233,8 +233,8 @@ def expert_response(action: str, fmt: str = "tags") -> str:
     think = f"<think>The best next action is {action}.</think>"
     if fmt == "json" or fmt.removeprefix("reference_") in _CARD_TOKENS:
         return think + '{"action": "' + action + '"}'
-    if fmt in ("search", "reference_search"):
-        return think + action
+    if fmt in ("search", "reference_search"):  # the tag once only: a repeated tag is invalid
+        return "<think>The best next step is this one.</think>" + action
     return think + f"<action>{action}</action>"
 
 
