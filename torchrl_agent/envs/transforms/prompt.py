@@ -426,15 +426,15 @@ class PromptTransform(Transform):
         self.tokenizer = tokenizer
         self.template = template if isinstance(template, ReferenceTemplate) else resolve_template(template, env_name)
         if not isinstance(self.template, ReferenceTemplate):
-            if "{observation}" not in self.template:
-                raise ValueError(f"PromptTransform: the template has no {{observation}} field (a mistyped template "
-                                 f"name?): {self.template[:80]!r}; known names: {sorted(PROMPT_TEMPLATES)}, "
-                                 f"'reference', {sorted(REFERENCE_TEMPLATES)}")
             try:
                 self.template.format(task="", history="", step=0, observation="", admissible_actions="")
             except (KeyError, IndexError, ValueError) as err:
                 raise ValueError(f"PromptTransform: bad template field {err}; allowed fields are "
                                  "task, history, step, observation, admissible_actions") from err
+            if "{observation}" not in self.template:
+                raise ValueError(f"PromptTransform: the template has no {{observation}} field (a mistyped template "
+                                 f"name?): {self.template[:80]!r}; known names: {sorted(PROMPT_TEMPLATES)}, "
+                                 f"'reference', {sorted(REFERENCE_TEMPLATES)}")
         self.max_prompt_tokens = max_prompt_tokens
         self.system_prompt = system_prompt
 
