@@ -14,6 +14,7 @@ from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
     REFERENCE_TEMPLATES,
     ActionProjection,
+    FullHistory,
     NoHistory,
     PromptTransform,
     WindowMemory,
@@ -220,6 +221,19 @@ def test_reference_prompt_without_memory_is_the_no_history_text(tokenizer):
     td = step_mdp(env.step(td))
     assert "Your current observation is:\n" in td["text", "prompt"][0]
     assert "Prior to this step" not in td["text", "prompt"][0]
+
+
+def test_reference_prompt_with_a_multi_turn_memory_keeps_its_turns(tokenizer):
+    prompt = PromptTransform(tokenizer, "reference", env_name="sokoban")
+    env = TransformedEnv(make_env("sokoban", num_groups=1, group_size=1, seed=1),
+                         Compose(FullHistory(), prompt, ActionProjection("reference", env_name="sokoban")))
+    td = env.reset()
+    td["text", "response"] = ["<think>first</think><action>up</action>"]
+    td = step_mdp(env.step(td))
+    text = td["text", "prompt"][0]
+    assert "<think>first</think><action>up</action>" in text  # the earlier turn, as FullHistory keeps it
+    assert "Prior to this step, you have already taken 1 step(s)" in text and "[Observation 1:" not in text
+    assert PromptTransform(tokenizer, prompt.template).render_row(td[0]) == text
 
 
 def test_a_mistyped_template_name_fails_at_start(tokenizer):

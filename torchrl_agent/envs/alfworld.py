@@ -10,7 +10,7 @@ A game is played by ``textworld``'s ``PddlEnv`` wrapped in ALFWorld's ``AlfredDe
 names such as ``potato 1``), ``AlfredInfos`` and ``AlfredExpert`` (the hand-coded expert,
 ``expert_type="handcoded"``), exactly as ``alfworld.agents.environment.AlfredTWEnv`` builds it.
 
-Rules (``ALGORITHMS.md``): reward 10 when the game is won (the episode then ends, solved), else 0;
+Rules (as the reference, verl-agent's ``AlfredTWEnv``): reward 10 when the game is won (the episode then ends, solved), else 0;
 50 steps at most. Any string is an action: a command the engine does not know is answered
 "Nothing happens." and changes nothing.
 

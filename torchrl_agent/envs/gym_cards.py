@@ -1,6 +1,6 @@
 """Gym Cards as text: EZPoints, Points24 and Blackjack (NumberLine lives in ``numberline.py``).
 
-Rules (``ALGORITHMS.md``; the reference is RL4VLM's gym-cards as used by verl-agent):
+Rules (the reference is RL4VLM's gym-cards as used by verl-agent):
 
 * **EZPoints** (:class:`EZPointsEnv`): two cards are dealt; build a formula one token a step from the
   actions ``1 .. 10``, ``+``, ``*``, ``=`` (A counts 1, J/Q/K count 10). ``=`` finishes the formula

@@ -27,7 +27,7 @@ from tensordict import NonTensorStack, TensorDictBase
 from torchrl.data import Categorical, Composite, NonTensor
 from torchrl.envs import Transform
 
-from torchrl_agent.envs.transforms.memory import MemoryTransform, _strings, load_memory
+from torchrl_agent.envs.transforms.memory import MemoryTransform, WindowMemory, _strings, load_memory
 
 __all__ = ["PROMPT_TEMPLATES", "REFERENCE_TEMPLATES", "PromptTransform", "ReferenceTemplate", "resolve_template"]
 
@@ -353,15 +353,17 @@ class ReferenceTemplate:
     image: bool = False
 
     def content(self, task: str, observation: str, actions: list[str], step: int,
-                records: list[dict] | None, history_text: str) -> str:
-        """The user message. ``records``: the memory's records (``None``: no memory)."""
+                records: list[dict] | None, history_text: str, window: bool = True) -> str:
+        """The user message. ``records``: the memory's records (``None``: no memory, or one that keeps
+        nothing); ``window``: they are (observation, action) records of a window memory, written as the
+        reference writes its history; otherwise the memory's own ``history_text`` is used."""
         use_history = records is not None and step > 0 and self.history != "none"
         if not use_history:
             text = self.first
         else:
-            if records and all("action" in r and "observation" in r for r in records):
+            if window:
                 lines = _window_lines(records) if self.history == "window" else _search_lines(records, observation)
-            else:  # a memory without (observation, action) records: its own rendering
+            else:  # e.g. a summary: the memory's own rendering
                 lines = history_text
             text = self.later
         text = text.format(
@@ -440,12 +442,13 @@ class PromptTransform(Transform):
 
     # ---------------------------------------------------------------- rendering (pure)
     def messages(self, task: str, observation: str, admissible_actions: str, step: int,
-                 history: str, earlier_turns: list[dict], records: list[dict] | None = None) -> list[dict[str, Any]]:
-        """The chat messages of one step. ``records``: the memory's records, used by reference
-        templates (``None``: no memory, or one that keeps nothing)."""
+                 history: str, earlier_turns: list[dict], records: list[dict] | None = None,
+                 window: bool = True) -> list[dict[str, Any]]:
+        """The chat messages of one step. ``records``, ``window``: see :meth:`ReferenceTemplate.content`
+        (reference templates only)."""
         if isinstance(self.template, ReferenceTemplate):  # the reference's text, exactly as it fills it
             content = self.template.content(task, observation, [a for a in admissible_actions.split("\n") if a],
-                                            step, records, history)
+                                            step, records, history, window=window)
         else:
             actions = ", ".join(a for a in admissible_actions.split("\n") if a) or "any"
             content = self.template.format(task=task, history=history, step=step, observation=observation,
@@ -467,7 +470,7 @@ class PromptTransform(Transform):
             keeps = memory is not None and getattr(memory, "k", 1) > 0  # NoHistory / window k=0 keep nothing
             prompt = self.tokenizer.apply_chat_template(
                 self.messages(task, observation, admissible_actions, step, history, turns,
-                              records if keeps else None),
+                              records if keeps else None, window=type(memory) is WindowMemory),
                 tokenize=False, add_generation_prompt=True)
             over = self.max_prompt_tokens is not None and self.num_tokens(prompt) > self.max_prompt_tokens
             if not over or not records:
