@@ -141,12 +141,20 @@ def test_alfworld_reference_prompt_text():
         "enclosed within <think> </think> tags. \n"
         "Once you've finished your reasoning, you should choose an admissible action for current step and "
         "present it within <action> </action> tags.\n")
-    first = template.content("t", "You are in the middle of a room.", ["look"], 0, [], "")
+    # the first observation is the reference env's reset text: banner, room, task
+    first = template.content("put a hot potato in sinkbasin.", "You are in the middle of a room.", ["look"], 0, [], "")
     assert first.startswith("\nYou are an expert agent operating in the ALFRED Embodied Environment.\n"
-                            "Your current observation is: You are in the middle of a room.\n"
+                            "Your current observation is: -= Welcome to TextWorld, ALFRED! =-\n\n"
+                            "You are in the middle of a room.\n\nYour task is to: put a hot potato in sinkbasin.\n"
                             "Your admissible actions of the current situation are: ['look'].\n")
+    later = template.content("put x.", "Nothing happens.", ["look"], 1,
+                             [{"step": 0, "observation": "You are in a room.", "action": "look"}], "")
+    assert ("[Observation 1: '-= Welcome to TextWorld, ALFRED! =-\n\nYou are in a room.\n\nYour task is to: "
+            "put x.', Action 1: 'look']") in later
     # no memory (history_length <= 0 in the reference): the no-history text at every step
-    assert template.content("t", "obs", ["look"], 7, None, "") == template.content("t", "obs", ["look"], 0, [], "")
+    no_memory = template.content("t", "obs", ["look"], 7, None, "")
+    assert no_memory.startswith("\nYou are an expert agent operating in the ALFRED Embodied Environment.\n"
+                                "Your current observation is: obs\n") and "Prior to this step" not in no_memory
 
 
 def test_search_reference_prompt_pairs_each_query_with_what_it_returned():

@@ -345,12 +345,19 @@ class ReferenceTemplate:
         later: the text with history (``*_TEMPLATE``).
         history: ``"window"`` (ALFWorld, Sokoban lines), ``"search"`` (Search lines) or ``"none"``.
         image: the Gym Cards prompts start with ``<image>``; it is replaced by the observation text.
+        intro: how the reference's environment shows the first observation, from ours (fields
+            ``{observation}``, ``{task}``); ALFWorld's reset text holds a banner and the task, which
+            our env splits into ``observation`` and ``task``. Empty: as it is.
     """
 
     first: str
     later: str
     history: str = "window"
     image: bool = False
+    intro: str = ""
+
+    def _observation(self, observation: str, step: int, task: str) -> str:
+        return self.intro.format(observation=observation, task=task) if self.intro and step == 0 else observation
 
     def content(self, task: str, observation: str, actions: list[str], step: int,
                 records: list[dict] | None, history_text: str, window: bool = True) -> str:
@@ -358,6 +365,10 @@ class ReferenceTemplate:
         nothing); ``window``: they are (observation, action) records of a window memory, written as the
         reference writes its history; otherwise the memory's own ``history_text`` is used."""
         use_history = records is not None and step > 0 and self.history != "none"
+        if records:
+            records = [{**r, "observation": self._observation(r["observation"], r["step"], task)}
+                       if "observation" in r else r for r in records]
+        observation = self._observation(observation, step, task)
         if not use_history:
             text = self.first
         else:
@@ -377,7 +388,9 @@ class ReferenceTemplate:
 
 #: ``reference_<env>`` -> the reference's prompt of that environment (Gym Cards have no history).
 REFERENCE_TEMPLATES: dict[str, ReferenceTemplate] = {
-    "reference_alfworld": ReferenceTemplate(_ALFWORLD_TEMPLATE_NO_HIS, _ALFWORLD_TEMPLATE),
+    "reference_alfworld": ReferenceTemplate(
+        _ALFWORLD_TEMPLATE_NO_HIS, _ALFWORLD_TEMPLATE,
+        intro="-= Welcome to TextWorld, ALFRED! =-\n\n{observation}\n\nYour task is to: {task}"),
     "reference_sokoban": ReferenceTemplate(_SOKOBAN_TEMPLATE_NO_HIS, _SOKOBAN_TEMPLATE),
     "reference_search": ReferenceTemplate(_SEARCH_TEMPLATE_NO_HIS, _SEARCH_TEMPLATE, history="search"),
     "reference_numberline": ReferenceTemplate(_NUMBERLINE_TEMPLATE, _NUMBERLINE_TEMPLATE, "none", image=True),
