@@ -47,8 +47,10 @@ def _step(env, td, actions):
 def test_real_game_expert_wins(real_data_dir):
     env = make_env("alfworld", data_dir=real_data_dir, num_groups=1, group_size=2, seed=0)
     td = env.reset()
-    # the README's known facts: 23 admissible commands at the start, the hand-coded expert wins in 16 steps
-    assert [len(a.split("\n")) for a in td["admissible_actions"]] == [23, 23]
+    # known facts of this game: 23 admissible commands at the start (22 listed: "help" is left out, as the
+    # reference does), the hand-coded expert wins in 16 steps
+    assert [len(a.split("\n")) for a in td["admissible_actions"]] == [22, 22]
+    assert all("help" not in a.split("\n") for a in td["admissible_actions"])
     assert td["observation"][0].startswith("You are in the middle of a room. Looking quickly around you, you see")
     assert "a microwave 1" in td["observation"][0] and "Welcome" not in td["observation"][0]
     assert td["task"][0] == "put a hot potato in sinkbasin."
@@ -211,6 +213,26 @@ def test_generated_games_are_won_by_the_expert_through_the_env(generated_root):
             if t == len(w) - 1:
                 assert td["success"][i].item() and td["reward"][i].item() == 10.0
     assert td["step_count"].flatten().tolist() == [len(w) for w in walkthroughs]
+
+
+def test_generator_writes_an_in_distribution_valid_seen_split(tmp_path):
+    import alfworld.gen.constants as constants
+
+    from torchrl_agent.envs.alfworld_gen import generated_data_dir
+
+    kwargs = dict(task_types=["pick_and_place_simple"], cache_dir=tmp_path)
+    train = ALFWorldEnv(expert=False, generated_games_per_type=1, **kwargs)
+    # the eval env asks for valid_seen: it is added to the cached root
+    seen = ALFWorldEnv(split="eval", eval_split="valid_seen", expert=False, generated_games_per_type=1, **kwargs)
+    root = generated_data_dir(games_per_type=1, **kwargs)
+    assert os.path.isfile(os.path.join(root, "DONE-valid_seen"))
+    assert seen.game_files == find_game_files(root, "valid_seen") and len(seen.game_files) == 1
+    assert _floor_plan(seen.game_files[0]) in constants.TRAIN_SCENE_NUMBERS  # a training scene ...
+    with open(seen.game_files[0]) as f, open(train.game_files[0]) as g:
+        assert json.load(f)["pddl_problem"] != json.load(g)["pddl_problem"]  # ... but not a training game
+    assert train.game_files == find_game_files(root, "train")  # the training games are unchanged
+    td = seen.reset()
+    assert td["task_type"][0] == "pick_and_place_simple" and td["task"][0]
 
 
 def test_generator_is_deterministic_and_cached(tmp_path):

@@ -21,6 +21,7 @@ from torchrl_agent.envs.gym_cards import (
     solutions,
 )
 from torchrl_agent.envs.gymnasium_adapter import BabyAIGame, GymnasiumTextGame, parse_babyai_action, render_babyai
+from torchrl_agent.envs.numberline import NumberLineGame
 from torchrl_agent.envs.sokoban import SokobanGame, generate_room, render_room, solve
 
 ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai"]
@@ -236,6 +237,32 @@ def test_ezpoints_rewards_by_hand():
     assert reward == 0.0 and not term and state.observation.endswith("3 * 4")
     assert _play(game, ["3", "4"], ["3", "*", "4", "="])[0] == 10.0
     assert _play(game, ["2", "10"], ["10", "+", "2", "+", "=",])[0] == 0.0  # malformed formula
+
+
+def test_formula_games_reject_numbers_not_on_the_cards_or_used_up():
+    # gym-cards' _is_valid_action: a number must be the value of a card not yet typed
+    game = EZPointsGame()
+    reward, (state, _, term, _) = _play(game, ["3", "4"], ["5", "3", "3", "*", "4"])
+    assert reward == 0.0 and not term and game.formula == ["3", "*", "4"]  # 5 not dealt, the second 3 used up
+    assert _play(game, ["6", "6"], ["6", "+", "6", "="])[0] == 10.0  # two cards of one value: twice
+    assert _play(game, ["A", "J"], ["1", "10", "+", "10"])[1][0].observation.endswith("Formula so far: 1 10 +")
+    game24 = Points24Game()
+    _play(game24, ["8", "3", "8", "3"], ["8", "8", "8", "2", "3"])
+    assert game24.formula == ["8", "8", "3"]
+
+
+def test_numberline_rewards_by_hand():
+    game = NumberLineGame(max_position=5)
+    game.reset(0)
+    game.position, game.target = 2, 4
+    assert game.step("+")[1:] == (0.0, False, False)  # closer
+    assert game.step("-")[1:] == (-1.0, False, False)  # farther
+    assert game.step("jump")[1:] == (0.0, False, False) and game.position == 2  # not an action: 0, no move
+    assert game.step("")[1] == 0.0 and game.step(None)[1] == 0.0
+    game.position, game.target = 0, 3
+    assert game.step("-")[1] == -1.0 and game.position == 0  # into the end of the line: not closer
+    game.position = 1
+    assert game.step(" + ")[1] == 0.0 and game.step("+")[1:] == (1.0, True, True)
 
 
 def test_points24_rewards_by_hand():

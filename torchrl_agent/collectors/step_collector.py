@@ -7,7 +7,7 @@ keys of the data contract (the README's "The data contract"): the step's input (
 ``admissible_actions``, ``anchor``, ``memory``, ``step_count``, ``("text", "prompt")``), the
 policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
 ``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
-``action_valid``), the outcome (``reward``, ``done``, ``terminated``, ``truncated``, ``success``)
+``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``, ``truncated``, ``success``)
 and the ids (``group_id``, ``traj_id``).
 
 Generation is batched over the environments that are still running only: an environment that
@@ -104,7 +104,8 @@ class StepCollector:
             for j, i in enumerate(active.tolist()):
                 if not running[i]:
                     continue  # lockstep: an environment already done generated for nothing
-                row = td[i].select(*_INPUT_KEYS, "action", "action_valid", ("text", "response"), strict=False)
+                row = td[i].select(*_INPUT_KEYS, "action", "action_valid", "response_cut", ("text", "response"),
+                                  strict=False)
                 row.update(td[i]["next"].select(*_OUTCOME_KEYS, strict=False))
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
                     logger.warning("prompt of environment %d exceeds the engine's limit: episode truncated", i)
@@ -174,6 +175,8 @@ def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
         "episode_reward": episode_reward.mean().item(),
         "episode_length": lengths.mean().item(),
         "action_valid": rows["action_valid"].float().mean().item(),
+        # responses cut to the projection's max_chars before parsing
+        "responses_cut": int(rows["response_cut"].sum()) if "response_cut" in rows.keys() else 0,
         "episodes": int(done.sum()),
         **_per_task_success(rows, done),
         **token_ledger(rows),

@@ -10,7 +10,7 @@ A game is played by ``textworld``'s ``PddlEnv`` wrapped in ALFWorld's ``AlfredDe
 names such as ``potato 1``), ``AlfredInfos`` and ``AlfredExpert`` (the hand-coded expert,
 ``expert_type="handcoded"``), exactly as ``alfworld.agents.environment.AlfredTWEnv`` builds it.
 
-Rules (``ALGORITHMS.md``): reward 10 when the game is won (the episode then ends, solved), else 0;
+Rules (as the reference, verl-agent's ``AlfredTWEnv``): reward 10 when the game is won (the episode then ends, solved), else 0;
 50 steps at most. Any string is an action: a command the engine does not know is answered
 "Nothing happens." and changes nothing.
 
@@ -20,7 +20,7 @@ Keys written (see :mod:`torchrl_agent.envs.base`):
 * ``observation``: the raw engine feedback; after a reset the room description
   ("You are in the middle of a room. Looking quickly around you, you see ...");
 * ``admissible_actions``: the engine's admissible commands, newline-joined (sorted, as the engine
-  gives them);
+  gives them), without ``help`` (the reference leaves it out of the prompt: it is not a move);
 * ``expert_action``: the hand-coded expert's next command ("look" where ALFWorld's expert wrapper
   falls back to it: right after a reset, or when the expert's command is not admissible or the
   expert fails after off-expert actions);
@@ -31,7 +31,9 @@ Game selection: a group's seed picks game ``(seed // 2) % len(games)`` of the sp
 list, so the ``group_size`` games of a group play the same game from the same initial state, and the
 evaluation panel (odd seeds ``2 * (base + j) + 1``) walks the evaluation games in order. The
 training games come from ``train_split`` (default ``"train"``), the evaluation games from
-``eval_split`` (default ``"valid_unseen"``: ALFWorld's out-of-distribution scenes).
+``eval_split``: ``"valid_unseen"`` (the default: ALFWorld's out-of-distribution scenes, the harder
+test) or ``"valid_seen"`` (in distribution: new games in the training scenes, the reference's default
+``eval_in_distribution``, which the reference recipes here use).
 
 Without ``data_dir`` or ``game_files``, games are generated offline from the scene data shipped in
 the ``alfworld`` wheel (:mod:`torchrl_agent.envs.alfworld_gen`) and cached on disk.
@@ -340,7 +342,7 @@ class ALFWorldGame(TextGame):
         return GameState(
             observation=observation,
             task=self.task,
-            admissible_actions=tuple(state["admissible_commands"]),
+            admissible_actions=tuple(a for a in state["admissible_commands"] if a != "help"),
             expert_action=expert,
             task_type=self.task_type,
         )
@@ -355,7 +357,8 @@ class ALFWorldEnv(TextEnv):
         game_files: explicit ``game.tw-pddl`` paths, used for this env's split instead of
             ``data_dir`` (each needs its ``traj_data.json`` beside it).
         task_types: keep only these task types (default: all six of :data:`TASK_TYPES`).
-        train_split, eval_split: the data splits of training and evaluation games.
+        train_split, eval_split: the data splits of training and evaluation games (``train``,
+            ``valid_seen``: in distribution, ``valid_unseen``: out of distribution).
         expert: compute ``expert_action`` (ALFWorld's hand-coded expert).
         generated_games_per_type: without ``data_dir`` and ``game_files``, how many games per task
             type and split to generate (see :func:`torchrl_agent.envs.alfworld_gen.generated_data_dir`).
@@ -395,7 +398,7 @@ class ALFWorldEnv(TextEnv):
                 from torchrl_agent.envs.alfworld_gen import generated_data_dir
 
                 data_dir = generated_data_dir(games_per_type=generated_games_per_type, task_types=self.task_types,
-                                              cache_dir=cache_dir)
+                                              cache_dir=cache_dir, splits=("train", "valid_unseen", data_split))
             files = find_game_files(os.fspath(data_dir), data_split, self.task_types)
         if not files:
             raise ValueError(f"no ALFWorld game found for split {data_split!r} and task_types {self.task_types}")

@@ -48,9 +48,11 @@ What a game is made of, and where each part comes from:
   commands are stored as ``walkthrough``.
 
 Splits: training games use ALFRED's training floor plans (``constants.TRAIN_SCENE_NUMBERS``:
-7-30, 207-230, 307-330, 407-430), evaluation games (``valid_unseen``) its held-out floor plans
-(``constants.TEST_SCENE_NUMBERS``: 1-6, 201-206, 301-306, 401-406): evaluation scenes are unseen in
-training. Generation is deterministic for a seed.
+7-30, 207-230, 307-330, 407-430); ``valid_unseen`` (out of distribution) its held-out floor plans
+(``constants.TEST_SCENE_NUMBERS``: 1-6, 201-206, 301-306, 401-406), unseen in training;
+``valid_seen`` (in distribution, the reference's default ``eval_in_distribution``) new games on the
+training floor plans, drawn from a seed stream disjoint from the training games'. Generation is
+deterministic for a seed.
 """
 
 from __future__ import annotations
@@ -71,8 +73,13 @@ __all__ = ["GENERATOR_VERSION", "SPLITS", "generate_games", "generated_data_dir"
 
 #: Bump when the generated games change: the cache folder is keyed by it.
 GENERATOR_VERSION = "1"
-#: data split -> the floor plans it draws from (ALFRED's train / held-out scenes).
-SPLITS = ("train", "valid_unseen")
+#: The data splits the generator writes: train and valid_seen draw from ALFRED's training scenes,
+#: valid_unseen from its held-out scenes.
+SPLITS = ("train", "valid_unseen", "valid_seen")
+#: The splits a generated data root holds from its first use; others are added when asked for.
+_BASE_SPLITS = ("train", "valid_unseen")
+#: valid_seen's game seeds start here, past any training game's seed (``seed * 1_000_003 + attempt``).
+_SEEN_SEED_OFFSET = 500_000
 
 #: at most this many receptacles of one class in a scene (cabinets, drawers, shelves)
 MAX_SAME_RECEPTACLES = 6
@@ -103,7 +110,7 @@ def floor_plans(split: str) -> list[int]:
     c = _constants()
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    numbers = c.TRAIN_SCENE_NUMBERS if split == "train" else c.TEST_SCENE_NUMBERS
+    numbers = c.TEST_SCENE_NUMBERS if split == "valid_unseen" else c.TRAIN_SCENE_NUMBERS
     folder = _layouts_dir()
     return [n for n in numbers if os.path.isfile(os.path.join(folder, f"FloorPlan{n}-openable.json"))]
 
@@ -393,7 +400,7 @@ def generate_games(
         kept, attempt = 0, 0
         while kept < games_per_type and attempt < max_attempts * games_per_type:
             floor_plan = plans[int(order[attempt % len(plans)])]
-            game_seed = seed * 1_000_003 + attempt
+            game_seed = seed * 1_000_003 + attempt + (_SEEN_SEED_OFFSET if split == "valid_seen" else 0)
             attempt += 1
             built = make_game(floor_plan, task_type, game_seed)
             if built is None:
@@ -429,13 +436,19 @@ def generated_data_dir(
     seed: int = 0,
     task_types: Sequence[str] = TASK_TYPES,
     cache_dir: str | os.PathLike | None = None,
+    splits: Sequence[str] = _BASE_SPLITS,
 ) -> str:
-    """A data root with generated train and ``valid_unseen`` games, generated on first use and cached.
+    """A data root with generated train and ``valid_unseen`` games (and any other of :data:`SPLITS`
+    in ``splits``, e.g. ``valid_seen``), generated on first use and cached.
 
     The cache folder is ``<cache_dir>/<GENERATOR_VERSION>-alfworld<version>/seed<seed>-n<games_per_type>[-<types>]``
     (``cache_dir`` defaults to ``~/.cache/torchrl_agent/alfworld_games``); a file lock makes
-    concurrent first uses generate once.
+    concurrent first uses generate once. An extra split is added to an existing root (its marker
+    file ``DONE-<split>``), leaving the other splits' games as they are.
     """
+    unknown = [sp for sp in splits if sp not in SPLITS]
+    if unknown:
+        raise ValueError(f"splits must be a subset of {SPLITS}, got {list(splits)!r}")
     from alfworld.info import __version__ as alfworld_version
 
     task_types = [t for t in TASK_TYPES if t in task_types]
@@ -444,21 +457,38 @@ def generated_data_dir(
         name += "-" + "-".join(str(TASK_TYPES.index(t) + 1) for t in task_types)
     root = os.path.join(os.fspath(cache_dir or default_cache_dir()),
                         f"{GENERATOR_VERSION}-alfworld{alfworld_version}", name)
-    if os.path.isfile(os.path.join(root, "DONE")):
+    extra = [sp for sp in SPLITS if sp in splits and sp not in _BASE_SPLITS]
+
+    def complete() -> bool:
+        return os.path.isfile(os.path.join(root, "DONE")) and all(
+            os.path.isfile(os.path.join(root, f"DONE-{sp}")) for sp in extra)
+
+    if complete():
         return root
     os.makedirs(os.path.dirname(root), exist_ok=True)
     with open(root + ".lock", "w") as lock, _locked(lock):
-        if os.path.isfile(os.path.join(root, "DONE")):
+        if complete():
             return root
+        todo = list(extra) if os.path.isfile(os.path.join(root, "DONE")) else None  # None: the whole root
         tmp = tempfile.mkdtemp(prefix=os.path.basename(root) + ".", dir=os.path.dirname(root))
         try:
-            for split in SPLITS:
+            for split in (_BASE_SPLITS + tuple(extra) if todo is None else todo):
                 generate_games(tmp, split=split, task_types=task_types, games_per_type=games_per_type, seed=seed)
-            with open(os.path.join(tmp, "DONE"), "w") as f:
-                f.write(GENERATOR_VERSION + "\n")
-            if os.path.isdir(root):
-                shutil.rmtree(root)
-            os.rename(tmp, root)
+            if todo is None:
+                for split in extra:
+                    open(os.path.join(tmp, f"DONE-{split}"), "w").close()
+                with open(os.path.join(tmp, "DONE"), "w") as f:
+                    f.write(GENERATOR_VERSION + "\n")
+                if os.path.isdir(root):
+                    shutil.rmtree(root)
+                os.rename(tmp, root)
+            else:
+                for split in todo:
+                    target = os.path.join(root, "json_2.1.1", split)
+                    if os.path.isdir(target):
+                        shutil.rmtree(target)
+                    os.rename(os.path.join(tmp, "json_2.1.1", split), target)
+                    open(os.path.join(root, f"DONE-{split}"), "w").close()
         finally:
             if os.path.isdir(tmp):
                 shutil.rmtree(tmp)

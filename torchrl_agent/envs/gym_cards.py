@@ -1,6 +1,6 @@
 """Gym Cards as text: EZPoints, Points24 and Blackjack (NumberLine lives in ``numberline.py``).
 
-Rules (``ALGORITHMS.md``; the reference is RL4VLM's gym-cards as used by verl-agent):
+Rules (the reference is RL4VLM's gym-cards as used by verl-agent):
 
 * **EZPoints** (:class:`EZPointsEnv`): two cards are dealt; build a formula one token a step from the
   actions ``1 .. 10``, ``+``, ``*``, ``=`` (A counts 1, J/Q/K count 10). ``=`` finishes the formula
@@ -15,7 +15,9 @@ Rules (``ALGORITHMS.md``; the reference is RL4VLM's gym-cards as used by verl-ag
   higher total wins. Reward 1 for a win, else 0; 15 steps at most.
 
 Any other string (case and surrounding spaces ignored) is a no-op: the step is spent, the reward is
-0 and nothing changes; the formula games do not append it. Formulas are evaluated by a small
+0 and nothing changes; the formula games do not append it. In the formula games a number that is not
+the value of a card still unused (not on the cards, or all cards of that value already typed) is
+rejected the same way, as gym-cards' ``_is_valid_action`` does. Formulas are evaluated by a small
 recursive-descent parser over the typed tokens with :class:`fractions.Fraction` (never ``eval``).
 
 Deals: ``solvable_only=True`` (the default) redraws a deal until a formula reaching the target
@@ -224,7 +226,7 @@ class FormulaGame(TextGame):
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         token = action.strip() if isinstance(action, str) else ""
-        if token not in self.actions:
+        if token not in self.actions or (token in NUMBER_TOKENS and not self.available(token)):
             return self._state(), 0.0, False, False
         if token != "=":
             self.formula.append(token)
@@ -232,6 +234,10 @@ class FormulaGame(TextGame):
         solved = self.check(self.formula)
         self.formula.append("=")
         return self._state(), 10.0 if solved else 0.0, True, solved
+
+    def available(self, number: str) -> bool:
+        """Whether a card of value ``number`` is still unused by the formula typed so far."""
+        return self.formula.count(number) < sum(card_value(c) == int(number) for c in self.cards)
 
     def check(self, formula: list[str]) -> bool:
         """True when ``formula`` is well formed, uses each card value once and equals the target."""

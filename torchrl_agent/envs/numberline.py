@@ -1,8 +1,9 @@
 """NumberLine (Gym Cards) as text: walk a marker to a target on the line ``0..max_position``.
 
-Rules (``ALGORITHMS.md``): actions ``-`` and ``+``; reward +1 on reaching the target (the
-episode ends, solved), -1 for a step that does not get closer, 0 otherwise; 10 steps at most.
-Any other action is a no-op (so it does not get closer: -1).
+Rules (as gym-cards' ``NumberLineEnv`` in verl-agent): actions ``-`` and ``+``; reward +1 on
+reaching the target (the episode ends, solved), -1 for a move that does not get closer (also a
+move into the end of the line), 0 otherwise; 10 steps at most. Any other action is a no-op with
+reward 0 (the reference's unparseable action, index -1).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ class NumberLineGame(TextGame):
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         before = abs(self.position - self.target)
-        move = {"-": -1, "+": 1}.get(action.strip(), 0)
+        move = {"-": -1, "+": 1}.get(action.strip() if isinstance(action, str) else "")
+        if move is None:  # not an action: nothing happens, reward 0
+            return self._state(), 0.0, False, False
         self.position = min(max(self.position + move, 0), self.max_position)
         after = abs(self.position - self.target)
         if after == 0:

@@ -13,8 +13,9 @@ class EnvConfig:
     num_groups: int = 4  # groups per training batch
     group_size: int = 4  # trajectories per group (same initial state)
     max_steps: Optional[int] = None  # None: the environment's own limit
-    template: Optional[str] = None  # prompt template: a PROMPT_TEMPLATES key or a string; None: by env name
-    action_format: str = "tags"  # tags | json | search
+    template: Optional[str] = None  # prompt template: a PROMPT_TEMPLATES key, "reference" (verl-agent's) or a string; None: by env name
+    action_format: str = "tags"  # tags | json | search | reference (verl-agent's parsing rules of this env)
+    max_response_chars: Optional[int] = 32768  # responses are cut to this many characters before parsing (None: no cut)
     eval_episodes: int = 32  # size of the held-out evaluation panel
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra environment arguments
 
@@ -65,6 +66,7 @@ class AlgorithmConfig:
     kl_coef: float = 0.01
     entropy_coef: float = 0.001
     lr: float = 1e-6
+    lr_warmup_ratio: float = 0.0  # linear warm-up from 0 over this fraction of the iterations (verl's lr_warmup_steps_ratio)
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     epochs: int = 1

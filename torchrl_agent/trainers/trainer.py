@@ -36,13 +36,13 @@ from torchrl.envs import Compose, TransformedEnv
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
-    PROMPT_TEMPLATES,
     ActionProjection,
     FullHistory,
     NoHistory,
     PromptTransform,
     SummaryMemory,
     WindowMemory,
+    resolve_template,
 )
 from torchrl_agent.models import compute_dtype, load_model, model_path
 from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
@@ -105,10 +105,10 @@ def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None)
         base = make_env(e.name, num_groups=e.num_groups, group_size=e.group_size, seed=cfg.seed, **kwargs)
     else:
         base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
-    template = e.template or (e.name if e.name in PROMPT_TEMPLATES else "default")
     transforms = Compose(build_memory(cfg.memory, policy),
-                         PromptTransform(tokenizer, template, max_prompt_tokens=cfg.memory.max_prompt_tokens),
-                         ActionProjection(e.action_format))
+                         PromptTransform(tokenizer, resolve_template(e.template, e.name),
+                                         max_prompt_tokens=cfg.memory.max_prompt_tokens),
+                         ActionProjection(e.action_format, env_name=e.name, max_chars=e.max_response_chars))
     return TransformedEnv(base, transforms)
 
 
@@ -373,6 +373,13 @@ class Trainer:
                 f"algorithm.entropy_coef={a.entropy_coef:g} too large, or non-finite advantages/rewards")
         return float(grad_norm), True
 
+    def warmup_lr(self) -> float:
+        """The learning rate of this iteration: ``algorithm.lr`` after a linear warm-up over the first
+        ``lr_warmup_ratio * iterations`` iterations, from 0 (verl's constant schedule with warm-up)."""
+        a = self.cfg.algorithm
+        warmup = int(a.lr_warmup_ratio * self.cfg.iterations)
+        return a.lr * min(1.0, self.iteration / warmup) if warmup > 0 else a.lr
+
     def update(self, rows: TensorDictBase) -> dict[str, float]:
         """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics.
 
@@ -381,6 +388,8 @@ class Trainer:
         """
         a = self.cfg.algorithm
         n = rows.batch_size[0]
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.warmup_lr()
         old = self.recompute(self.model, rows)  # the policy that collected the rows (before any step)
         consistency = self.logprob_consistency(rows, old)
         ref = self.reference_log_probs(rows)

@@ -15,17 +15,17 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.envs.utils import step_mdp
 
+from torchrl_agent.envs.transforms.projection import expert_response as response_for
+from torchrl_agent.envs.transforms.projection import resolve_format
+
 __all__ = ["expert_response", "expert_rows", "supervised_step"]
 
 WARM_START_SEED_OFFSET = 1_000_003
 
 
 def expert_response(action: str, fmt: str = "tags") -> str:
-    """The response text that projects to ``action`` in format ``fmt``."""
-    think = f"<think>The best next action is {action}.</think>"
-    if fmt == "json":
-        return think + '{"action": "' + action + '"}'
-    return think + (action if fmt == "search" else f"<action>{action}</action>")
+    """The response text that projects to ``action`` in format ``fmt`` (resolved by the projection)."""
+    return response_for(action, fmt)
 
 
 @torch.no_grad()
@@ -46,7 +46,7 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
                 if td["done"][i].item() or not experts[i]:
                     continue
                 prompt = td[i]["text", "prompt"]
-                response = tokenizer(expert_response(experts[i], cfg.env.action_format),
+                response = tokenizer(expert_response(experts[i], resolve_format(cfg.env.action_format, cfg.env.name)),
                                      add_special_tokens=False)["input_ids"] + [eos]
                 rows.append(TensorDict({"tokens": {
                     "prompt": torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"]),

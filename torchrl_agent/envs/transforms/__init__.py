@@ -8,9 +8,22 @@ from torchrl_agent.envs.transforms.memory import (
     WindowMemory,
     load_memory,
 )
-from torchrl_agent.envs.transforms.projection import ActionProjection, project_action
-from torchrl_agent.envs.transforms.prompt import PROMPT_TEMPLATES, PromptTransform
+from torchrl_agent.envs.transforms.projection import (
+    REFERENCE_FORMATS,
+    ActionProjection,
+    expert_response,
+    project_action,
+    resolve_format,
+)
+from torchrl_agent.envs.transforms.prompt import (
+    PROMPT_TEMPLATES,
+    REFERENCE_TEMPLATES,
+    PromptTransform,
+    ReferenceTemplate,
+    resolve_template,
+)
 from torchrl_agent.envs.transforms.summary import SummaryMemory
 
-__all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "ActionProjection", "FullHistory", "MemoryTransform", "NoHistory",
-           "PromptTransform", "SummaryMemory", "WindowMemory", "load_memory", "project_action"]
+__all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "REFERENCE_FORMATS", "REFERENCE_TEMPLATES", "ActionProjection",
+           "FullHistory", "MemoryTransform", "NoHistory", "PromptTransform", "ReferenceTemplate", "SummaryMemory",
+           "WindowMemory", "expert_response", "load_memory", "project_action", "resolve_format", "resolve_template"]

@@ -5,8 +5,8 @@ step as a JSON string ``{"kind": ..., "params": ..., "records": [...], "dropped"
 step's prompt can be rebuilt from that step's row alone (:meth:`PromptTransform.render_row`).
 
 A record is written when a step is taken, from the step's input: the observation **before** the
-action, and the projected action (for an invalid response, the last 30 characters of the
-lower-cased response, as the reference does); :class:`FullHistory` also keeps the raw response.
+action, and the projected action (the command the environment received: for a response without
+action tags, the last 30 characters of the lower-cased response, as the reference does); :class:`FullHistory` also keeps the raw response.
 
 Writing a new memory means subclassing :class:`MemoryTransform` and overriding two pure
 functions, :meth:`~MemoryTransform.update` (records, new record -> records) and
@@ -80,8 +80,8 @@ class MemoryTransform(Transform):
         return data.get("records", []), data.get("dropped", 0)
 
     def make_record(self, step: int, observation: str, action: str, response: str, valid: bool) -> dict:
-        if not valid:  # the reference stores the tail of the raw output for an invalid response
-            action = response.lower()[-30:]
+        # the projected action, as the reference's memory stores it: for a response without action
+        # tags the projection already made it the tail of the lower-cased response
         return {"step": step, "observation": observation, "action": action}
 
     # ---------------------------------------------------------------- TorchRL plumbing

@@ -1,14 +1,45 @@
 """Action projection: the model's raw response -> the environment command and its validity.
 
-Reference rules (``ALGORITHMS.md``): the action is the first ``<action>...</action>`` content,
-lower-cased and stripped; the response is invalid when the action tags or the think tags are
-missing, or when it contains CJK characters. An invalid response still reaches the environment
-as the last 30 characters of the lower-cased response (which the environment answers as a
-no-op), so a malformed output is an invalid action, never a crash.
+Two families of formats, both linear in the response length (every rule is a left-to-right
+``find`` of a literal tag, never a backtracking regular expression), and a response longer than
+``max_chars`` is cut to its first ``max_chars`` characters before parsing (the cut is reported).
 
-Formats: ``"tags"`` (``<think>`` + ``<action>``), ``"json"`` (``<think>`` + a JSON object with an
-``"action"`` field, the cards), ``"search"`` (``<think>`` + ``<search>q</search>`` or
-``<answer>a</answer>``; the action is the whole tag, e.g. ``"<search>q</search>"``).
+**Our formats** (the defaults):
+
+* ``"tags"``: the action is the first ``<action>...</action>`` content, lower-cased and stripped
+  (tag names are case-insensitive). The response is valid when it also holds
+  ``<think>...</think>`` (in that order) and no CJK character. Without action tags the command is
+  the last 30 characters of the lower-cased response (which the environment answers as a no-op);
+  with action tags but an invalid response, the extracted action is still sent, flagged invalid.
+* ``"json"`` (the cards): ``<think>...</think>`` and a JSON object with an ``"action"`` field,
+  parsed as JSON (the first object that parses and has one).
+* ``"search"``: ``<think>...</think>`` and one ``<search>q</search>`` or ``<answer>a</answer>``;
+  the action is the whole tag (``"<search>q</search>"``). A response holding both tags, or one
+  tag twice, is invalid (its first block is still sent).
+
+**Reference formats** (``"reference_<env>"``, see :data:`REFERENCE_FORMATS`): the parsing rules of
+verl-agent's ``env_package/*/projection.py``, rule for rule, so a model trained there sees the same
+validity here. ``"reference"`` with the env name (:func:`resolve_format`) picks the env's one.
+
+* ``reference_alfworld`` (and any free-text ``<action>`` env): the response is lower-cased; the
+  action is the text between the first ``<action>`` and the first ``</action>``, stripped. No
+  action tags: the command is the last 30 characters of the lower-cased response, invalid. Then the
+  response is invalid when the *original* text lacks ``<think>`` or ``</think>`` (case-sensitive,
+  in any order) or holds a character in U+4E00..U+9FFF.
+* ``reference_sokoban``: the same extraction; the command is the first of ``up``, ``down``,
+  ``left``, ``right``, ``still`` contained in the action text, written as the reference's memory
+  writes it (``"Up"``...; ``"Still"`` is a no-op). No tags or none of the five: ``"Still"``,
+  invalid. The ``<think>`` check as for ALFWorld; no CJK check.
+* ``reference_numberline``, ``reference_blackjack``, ``reference_ezpoints``,
+  ``reference_points24`` (the Gym Cards rule): the lower-cased response from its first
+  ``"action":`` on (the last character alone when there is none) must contain exactly one of the
+  game's tokens (for the formula games ``10`` is taken first and removed); that token is the
+  command, else ``""`` (a no-op), invalid. No ``<think>`` and no CJK check.
+* ``reference_search``: the text is cut after the first ``</search>`` (else the first
+  ``</answer>``); the first ``<search>q</search>`` block (tags case-insensitive), else the first
+  ``<answer>a</answer>`` block, is the command with its content stripped (case kept); none: ``""``,
+  invalid. A response holding both ``<search>`` and ``<answer>``, or either tag twice, is invalid.
+  No ``<think>`` and no CJK check.
 """
 
 from __future__ import annotations
@@ -23,63 +54,232 @@ from torchrl.envs import Transform
 from torchrl_agent.envs.base import clean_text
 from torchrl_agent.envs.transforms.memory import _strings
 
-__all__ = ["ActionProjection", "project_action"]
+__all__ = ["ActionProjection", "OUR_FORMATS", "REFERENCE_FORMATS", "expert_response", "project_action",
+           "resolve_format"]
 
-_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
-_ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)
-_SEARCH = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
-_JSON = re.compile(r"\{[^{}]*\}", re.DOTALL)
+#: Responses are cut to this many characters before parsing (a response is a few hundred tokens).
+MAX_RESPONSE_CHARS = 32_768
+_TAIL = 30
+
+_JSON = re.compile(r"\{[^{}]*\}")  # an innermost {...}: linear (it cannot backtrack past a brace)
 _CJK = re.compile(r"[\u2e80-\u2fff\u3040-\u30ff\u3100-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
+_CJK_REFERENCE = re.compile(r"[\u4e00-\u9fff]")
+_TAG_CACHE: dict[str, re.Pattern] = {}
+
+OUR_FORMATS = ("tags", "json", "search")
+#: env name -> the tokens of the reference's Gym Cards projection (``gym_projection``), in its order.
+_CARD_TOKENS = {
+    "numberline": ("-", "+"),
+    "blackjack": ("stand", "hit"),
+    "ezpoints": (*(str(v) for v in range(1, 11)), "+", "*", "="),
+    "points24": (*(str(v) for v in range(1, 11)), "+", "-", "*", "/", "(", ")", "="),
+}
+_SOKOBAN_MOVES = ("up", "down", "left", "right", "still")
+#: The reference's parsing rules, one per environment that the reference has.
+REFERENCE_FORMATS = ("reference_alfworld", "reference_sokoban", "reference_search",
+                     *(f"reference_{name}" for name in _CARD_TOKENS))
 
 
-def project_action(response: str, fmt: str = "tags") -> tuple[str, bool]:
-    """Return ``(action, valid)`` for one raw response. Never raises."""
-    response = clean_text(response)
-    action, valid = None, _THINK.search(response) is not None and not _CJK.search(response)
+def resolve_format(fmt: str, env_name: str) -> str:
+    """``"reference"`` -> ``"reference_<env_name>"``; any other format is returned as is (and checked)."""
+    if fmt == "reference":
+        fmt = f"reference_{env_name}"
+        if fmt not in REFERENCE_FORMATS:
+            raise ValueError(f"action_format 'reference': the reference has no parsing rule for env {env_name!r}; "
+                             f"it has one for {sorted(f.removeprefix('reference_') for f in REFERENCE_FORMATS)}")
+    if fmt not in OUR_FORMATS + REFERENCE_FORMATS:
+        raise ValueError(f"unknown action format {fmt!r}; use one of {list(OUR_FORMATS)}, 'reference' or "
+                         f"{list(REFERENCE_FORMATS)}")
+    return fmt
+
+
+# ---------------------------------------------------------------------------------------- linear scanning
+def _tag(literal: str) -> re.Pattern:
+    """A case-insensitive pattern for one literal tag (a literal search is linear)."""
+    if literal not in _TAG_CACHE:
+        _TAG_CACHE[literal] = re.compile(re.escape(literal), re.IGNORECASE)
+    return _TAG_CACHE[literal]
+
+
+def _block(text: str, name: str, start: int = 0) -> tuple[int, str] | None:
+    """``(position, content)`` of the first ``<name>...</name>`` at or after ``start`` whose closing
+    tag follows its opening tag (the leftmost match of ``<name>(.*?)</name>``), tags case-insensitive."""
+    opening = _tag(f"<{name}>").search(text, start)
+    if opening is None:
+        return None
+    closing = _tag(f"</{name}>").search(text, opening.end())
+    if closing is None:
+        return None
+    return opening.start(), text[opening.end():closing.start()]
+
+
+def _count(text: str, literal: str, limit: int = 2) -> int:
+    """How many times ``literal`` occurs (case-insensitive), counting up to ``limit``."""
+    n, pos = 0, 0
+    while n < limit:
+        match = _tag(literal).search(text, pos)
+        if match is None:
+            break
+        n, pos = n + 1, match.end()
+    return n
+
+
+def _has_think(text: str) -> bool:
+    return _block(text, "think") is not None
+
+
+# ---------------------------------------------------------------------------------------- our formats
+def _ours(response: str, fmt: str) -> tuple[str | None, bool]:
+    valid = _has_think(response) and not _CJK.search(response)
     if fmt == "tags":
-        match = _ACTION.search(response)
-        action = match.group(1).strip().lower() if match else None
-    elif fmt == "search":
-        match = _SEARCH.search(response)
-        action = f"<{match.group(1)}>{match.group(2).strip()}</{match.group(1)}>" if match else None
-    elif fmt == "json":
-        action = None
-        for candidate in _JSON.findall(response):
-            try:
-                value = json.loads(candidate).get("action")
-            except (ValueError, AttributeError):
-                continue
-            if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-                action = str(value).strip().lower()
+        block = _block(response, "action")
+        return (block[1].strip().lower() if block else None), valid
+    if fmt == "search":
+        first = _first_of(response)
+        if first is None:
+            return None, False
+        (_, content), name = first
+        single = _count(response, "<search>") + _count(response, "<answer>") == 1
+        return f"<{name}>{content.strip()}</{name}>", valid and single
+    for candidate in _JSON.findall(response):  # json
+        try:
+            value = json.loads(candidate).get("action")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value).strip().lower(), valid
+    return None, False
+
+
+def _first_of(response: str) -> tuple[tuple[int, str], str] | None:
+    """The leftmost complete ``<search>`` or ``<answer>`` block and its tag name."""
+    search, answer = _block(response, "search"), _block(response, "answer")
+    if search is not None and (answer is None or search[0] < answer[0]):
+        return search, "search"
+    return (answer, "answer") if answer is not None else None
+
+
+# ---------------------------------------------------------------------------------------- reference formats
+def _reference_tags(response: str) -> tuple[str | None, bool]:
+    """verl-agent's ``alfworld_projection`` extraction: ``(action or None, think_ok)``."""
+    lower = response.lower()
+    start, end = lower.find("<action>"), lower.find("</action>")
+    think_ok = response.find("<think>") != -1 and response.find("</think>") != -1
+    if start == -1 or end == -1:
+        return None, think_ok
+    return lower[start + len("<action>"):end].strip().lower(), think_ok
+
+
+def _reference(response: str, env: str) -> tuple[str, bool]:
+    if env == "alfworld":
+        action, think_ok = _reference_tags(response)
+        if action is None:
+            return response.lower()[-_TAIL:], False
+        return action, think_ok and not _CJK_REFERENCE.search(response)
+    if env == "sokoban":
+        action, think_ok = _reference_tags(response)
+        move = next((m for m in _SOKOBAN_MOVES if action is not None and m in action), None)
+        return (move or "still").capitalize(), think_ok and move is not None
+    if env == "search":
+        cut = response
+        for close in ("</search>", "</answer>"):  # the reference trims case-sensitively
+            at = cut.find(close)
+            if at != -1:
+                cut = cut[:at + len(close)]
                 break
-    else:
-        raise ValueError(f"unknown action format {fmt!r}; use 'tags', 'json' or 'search'")
-    if action is None or not valid:
-        return response.lower()[-30:], False
-    return action, True
+        block, name = _block(cut, "search"), "search"
+        if block is None:
+            block, name = _block(cut, "answer"), "answer"
+        action, valid = (f"<{name}>{block[1].strip()}</{name}>", True) if block else ("", False)
+        searches, answers = _count(response, "<search>"), _count(response, "<answer>")
+        if (searches and answers) or searches > 1 or answers > 1:
+            valid = False
+        return action, valid
+    tokens = _CARD_TOKENS[env]
+    text = response.lower()
+    text = text[text.find('"action":'):]  # no key: find() is -1 and only the last character is kept
+    found = set()
+    if env in ("ezpoints", "points24") and "10" in text:
+        found.add("10")
+        text = text.replace("10", "")
+    found.update(t for t in tokens if t in text)
+    if len(found) == 1:
+        return found.pop(), True
+    return "", False
+
+
+# ---------------------------------------------------------------------------------------- API
+def project_action(response: str, fmt: str = "tags", *, max_chars: int | None = MAX_RESPONSE_CHARS
+                   ) -> tuple[str, bool]:
+    """Return ``(action, valid)`` for one raw response. Never raises on any response.
+
+    Linear in ``min(len(response), max_chars)``; the response is cut to ``max_chars`` first.
+    """
+    response = clean_text(response)
+    if max_chars is not None:
+        response = response[:max_chars]
+    if fmt in REFERENCE_FORMATS:
+        return _reference(response, fmt.removeprefix("reference_"))
+    if fmt not in OUR_FORMATS:
+        raise ValueError(f"unknown action format {fmt!r}; use one of {list(OUR_FORMATS + REFERENCE_FORMATS)}")
+    action, valid = _ours(response, fmt)
+    if action is None:
+        return response.lower()[-_TAIL:], False
+    return action, valid
+
+
+def expert_response(action: str, fmt: str = "tags") -> str:
+    """A well-formed response that projects to ``(action, True)`` in format ``fmt`` (for warm starts)."""
+    think = f"<think>The best next action is {action}.</think>"
+    if fmt == "json" or fmt.removeprefix("reference_") in _CARD_TOKENS:
+        return think + '{"action": "' + action + '"}'
+    if fmt in ("search", "reference_search"):  # the tag once only: a repeated tag is invalid
+        return "<think>The best next step is this one.</think>" + action
+    return think + f"<action>{action}</action>"
 
 
 class ActionProjection(Transform):
-    """Parses ``("text", "response")`` into ``action`` (``[B]`` str) and ``action_valid`` (``[B, 1]``).
+    """Parses ``("text", "response")`` into ``action`` (``[B]`` str), ``action_valid`` (``[B, 1]``
+    bool) and ``response_cut`` (``[B, 1]`` bool: the response was longer than ``max_chars`` and only
+    its first ``max_chars`` characters were parsed).
 
     In a ``TransformedEnv`` it runs as an inverse transform before the base env steps. Called as a
-    module (``projection(td)``, e.g. as the policy's last stage) it writes the same keys in place,
-    so the collected step rows record them.
+    module (``projection(td)``, e.g. by the collector) it writes the same keys in place, so the
+    collected step rows record them. Each response is parsed once per step: a call with the same
+    responses as the previous call reuses its result (``num_parsed`` counts the parses).
+
+    Args:
+        fmt: one of :data:`OUR_FORMATS` or :data:`REFERENCE_FORMATS` (``"reference"`` needs
+            ``env_name``).
+        max_chars: the cut; ``None``: no cut.
+        env_name: resolves ``fmt="reference"`` (see :func:`resolve_format`).
     """
 
-    def __init__(self, fmt: str = "tags"):
-        project_action("", fmt)  # validates fmt
+    def __init__(self, fmt: str = "tags", *, max_chars: int | None = MAX_RESPONSE_CHARS, env_name: str = ""):
+        fmt = resolve_format(fmt, env_name)
+        if max_chars is not None and max_chars < 1:
+            raise ValueError(f"ActionProjection: max_chars must be >= 1 or None, got {max_chars}")
         super().__init__(in_keys=[], out_keys=[], in_keys_inv=[], out_keys_inv=[])
-        self.fmt = fmt
+        self.fmt, self.max_chars = fmt, max_chars
+        self.num_parsed = 0
+        self._last: tuple[list[str], list[tuple[str, bool]]] | None = None
 
     def project(self, tensordict: TensorDictBase) -> TensorDictBase:
         response = tensordict.get(("text", "response"), None)
         if response is None:  # nothing generated: keep a provided action
             return tensordict
         n = tensordict.batch_size[0]
-        pairs = [project_action(r, self.fmt) for r in _strings(response, n)]
+        responses = _strings(response, n)
+        if self._last is not None and self._last[0] == responses:
+            pairs = self._last[1]
+        else:
+            pairs = [project_action(r, self.fmt, max_chars=self.max_chars) for r in responses]
+            self.num_parsed += n
+            self._last = (responses, pairs)
+        cut = [self.max_chars is not None and len(r) > self.max_chars for r in responses]
         tensordict.set("action", NonTensorStack(*[a for a, _ in pairs], batch_size=[n]))
         tensordict.set("action_valid", torch.tensor([v for _, v in pairs], dtype=torch.bool).reshape(n, 1))
+        tensordict.set("response_cut", torch.tensor(cut, dtype=torch.bool).reshape(n, 1))
         return tensordict
 
     def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
