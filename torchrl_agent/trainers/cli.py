@@ -110,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as err:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2
-    summary = trainer.train()
+    from torchrl_agent.trainers.trainer import CheckpointError
+
+    try:
+        summary = trainer.train()
+    except CheckpointError as err:  # metrics.jsonl is complete; the message names the intact checkpoint
+        print(f"torchrl-agent: {err}", file=sys.stderr)
+        return 1
     if summary:  # ranks > 0 under torchrun return {}
         print(json.dumps(summary), flush=True)
     return 0
