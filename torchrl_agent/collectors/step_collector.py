@@ -114,7 +114,8 @@ class StepCollector:
                 row = td[i].select(*_INPUT_KEYS, "action", "action_valid", ("text", "response"), strict=False)
                 row.update(td[i]["next"].select(*_OUTCOME_KEYS, strict=False))
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
-                    logger.warning("prompt of environment %d exceeds the engine's limit: episode truncated", i)
+                    logger.warning("the engine generated nothing for environment %d (prompt over the engine's "
+                                   "limit, or a failed request): episode truncated", i)
                     row["truncated"] = torch.ones(1, dtype=torch.bool)
                     row["done"] = torch.ones(1, dtype=torch.bool)
                 row.update(out[j].select("tokens", "log_probs", "prompt_too_long", "cached_tokens"))

@@ -45,6 +45,8 @@ import hashlib
 import http.client
 import importlib.util
 import json
+import logging
+import multiprocessing
 import os
 import re
 import shutil
@@ -495,11 +497,16 @@ class HttpRetriever(Retriever):
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read().decode("utf-8", "replace"))
+                text = response.read().decode("utf-8", "replace")
         except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as err:
             what = f"no answer within {self.timeout} s" if isinstance(err, TimeoutError) or "timed out" in str(err) \
                 else f"{type(err).__name__}: {err}"
             raise RetrievalError(f"retrieval server {self.url} failed: {what}") from err
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            raise RetrievalError(f"retrieval server {self.url} answered with a body that is not JSON: "
+                                 f"{text[:200]!r}") from None
         result = payload.get("result") if isinstance(payload, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
             raise RetrievalError(
@@ -519,6 +526,28 @@ class HttpRetriever(Retriever):
                 f"retrieval server {self.url} sent a malformed result ({err!r}): {str(payload)[:200]}"
             ) from err
         return out
+
+
+_HEALTHY_URLS: set[str] = set()  # retrieval servers that passed their health check in this process
+logger = logging.getLogger(__name__)
+
+
+def _health_check(retriever: HttpRetriever) -> None:
+    """Check a retrieval server once per process, at the first env that uses it (the start of a
+    run): a server that is down raises :class:`RetrievalError` naming its URL. Later envs (the
+    evaluation panel, restarted workers) skip it, and in a worker process a failed check is only
+    logged: mid-run, a server that went down ends the searching games (``env_fault`` /
+    ``worker_fault``), not the run."""
+    if retriever.url in _HEALTHY_URLS:
+        return
+    try:
+        retriever.check()
+    except RetrievalError as err:
+        if multiprocessing.parent_process() is None:
+            raise
+        logger.warning("%s (in a worker: its searches will fault)", err)
+        return
+    _HEALTHY_URLS.add(retriever.url)
 
 
 def make_retrieval_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
@@ -679,7 +708,7 @@ class SearchEnv(TextEnv):
             raise ValueError(f"no questions for subset={subset!r}, split={split!r}")
         self.retriever = _as_retriever(retriever, timeout=retriever_timeout, retries=retriever_retries)
         if isinstance(self.retriever, HttpRetriever):
-            self.retriever.check()  # a server that is down fails here, naming its URL
+            _health_check(self.retriever)
         self.questions, self.top_k = tuple(questions), top_k
         super().__init__(
             lambda: SearchGame(self.questions, self.retriever, top_k), max_steps=max_steps, split=split, **kwargs

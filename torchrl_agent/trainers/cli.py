@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
             return 2
         print(json.dumps(result), flush=True)
-        return 0
+        if result.get("interrupted"):
+            return 130
+        return 1 if result.get("failed_episodes") and result["failed_episodes"] >= result["episodes"] else 0
     from torchrl_agent.trainers.trainer import Trainer
 
     try:
