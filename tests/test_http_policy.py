@@ -376,14 +376,16 @@ def test_bad_replies_cost_only_their_prompt_and_name_the_url(tokenizer):
 def test_eval_on_a_garbage_endpoint_costs_episodes_not_the_panel(capsys):
     from torchrl_agent.trainers.cli import main
 
-    srv = _Garbage(modes=("ok", "ok", "non_utf8", "ok", "choices_string"))
+    # every answer is an invalid move (episodes run their 3 steps): 12 requests, the 8th is garbage
+    srv = _Garbage(modes=("ok",) * 7 + ("non_utf8",))
     try:
         args = ["eval", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.timeout=1",
                 "eval.retries=0", "eval.chunk_episodes=2", "progress=false"]
         assert main(args) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert result["episodes"] == 4 and result["failed_episodes"] >= 1
-        assert all(srv.url in e for e in result["endpoint_errors"])
+        assert result["episodes"] == 4 and result["failed_episodes"] == 1
+        assert srv.url in result["endpoint_errors"][0] and "not JSON" in result["endpoint_errors"][0]
+        assert result["episode_length"] < 3  # the failed episode ended early, the others ran their 3 steps
     finally:
         srv.close()
 
