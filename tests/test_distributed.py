@@ -7,15 +7,18 @@ writes with the same steps taken in the pytest process without any process group
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from tensordict import TensorDict, lazy_stack
 
 from torchrl_agent.modules import ResponseLogProbs
 from torchrl_agent.objectives import ClipPolicyLoss
+from torchrl_agent.objectives.clip_loss import AGGREGATIONS
 from torchrl_agent.trainers.distributed import (
     clip_grad_norm,
     distributed_loss_scale,
@@ -30,12 +33,15 @@ from torchrl_agent.trainers.distributed import (
     shard_indices,
     shard_model,
 )
+from torchrl_agent.trainers.trainer import micro_batches
 
 PROMPT_LENGTHS = (6, 4, 9, 5, 3)
 RESPONSE_LENGTHS = (3, 7, 2, 5, 4)  # unequal: the two ranks see different token counts
 ADVANTAGES = (1.0, -0.5, 0.8, -1.2, 0.3)
 MINIBATCHES = ([0, 1, 2, 3, 4], [2])  # the second leaves rank 1 without a row
 LR, GRAD_CLIP = 1e-3, 0.05  # the clip is active: it checks the norm over all shards
+# every row alone: rank 0 runs 3 micro-batches of the first mini-batch, rank 1 runs 2 and a weightless one
+MICRO_BATCH_TOKENS = 12
 
 
 def make_rows(vocab_size: int) -> TensorDict:
@@ -51,35 +57,44 @@ def make_rows(vocab_size: int) -> TensorDict:
     return lazy_stack(rows)
 
 
-def train_steps(model, optimizer=None) -> dict:
-    """The clipped-loss steps of MINIBATCHES: each rank takes its rows of each mini-batch."""
+def train_steps(model, optimizer=None, *, aggregation="token-mean", micro_batch_tokens=None, autocast=None) -> dict:
+    """The clipped-loss steps of MINIBATCHES: each rank takes its rows of each mini-batch, in one
+    forward/backward or (``micro_batch_tokens``) as accumulated token-budget micro-batches."""
     torch.manual_seed(0)
+    autocast = autocast or contextlib.nullcontext
     rows = make_rows(model.config.vocab_size)
-    actor = ResponseLogProbs(model, pad_token_id=0)
-    with torch.no_grad():  # old / reference log-probs: the current ones, perturbed (ratio != 1)
+    actor = ResponseLogProbs(model, pad_token_id=0, chunk_tokens=4)
+    with torch.no_grad(), autocast():  # old / reference log-probs: the current ones, perturbed (ratio != 1)
         full = actor(rows.copy())
         noise = torch.randn(full["log_prob"].shape, generator=torch.Generator().manual_seed(7))
         old = (full["log_prob"] + 0.3 * noise) * full["mask"]
         ref = (full["log_prob"] - 0.1 * noise.flip(-1)) * full["mask"]
-    loss_module = ClipPolicyLoss(eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+    loss_module = ClipPolicyLoss(eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01,
+                                 aggregation=aggregation)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     out = {"loss": [], "grad_norm": [], "clip_fraction": []}
     for idx in MINIBATCHES:
         local, active = shard_indices(idx)
-        mb = actor(rows[local])
-        width = mb["log_prob"].shape[-1]
-        mask = mb["mask"] & active
-        batch = TensorDict({"log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
-                            "old_log_prob": old[local, :width], "ref_log_prob": ref[local, :width],
-                            "advantage": rows[local]["advantage"]}, batch_size=[len(local)])
-        losses = loss_module(batch)
-        total = sum(v for k, v in losses.items() if k.startswith("loss_"))
-        scale = distributed_loss_scale(mask, loss_module.aggregation)
+        parts = ([(local, None, active)] if micro_batch_tokens is None else
+                 micro_batches(rows, local, active, budget=micro_batch_tokens, aggregation=aggregation))
         optimizer.zero_grad(set_to_none=True)
-        (scale * total).backward()
+        loss = 0.0
+        for part, weight, live in parts:
+            with autocast():
+                mb = actor(rows[part])
+            width = mb["log_prob"].shape[-1]
+            mask = mb["mask"] & live
+            batch = TensorDict({"log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
+                                "old_log_prob": old[part, :width], "ref_log_prob": ref[part, :width],
+                                "advantage": rows[part]["advantage"]}, batch_size=[len(part)])
+            losses = loss_module(batch)
+            total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+            scale = distributed_loss_scale(mask, loss_module.aggregation) if weight is None else weight
+            (scale * total).backward()
+            loss = loss + scale * total.detach()
         out["grad_norm"].append(float(clip_grad_norm(model.parameters(), GRAD_CLIP)))
         optimizer.step()
-        out["loss"].append(reduce_mean(scale * total.detach()))
+        out["loss"].append(reduce_mean(loss))
         out["clip_fraction"].append(float(losses["clip_fraction"]))
     out["state"] = full_state_dict(model)
     out["optimizer"] = full_optimizer_state_dict(model, optimizer)
@@ -105,6 +120,21 @@ def _worker(out_path: str, model_path: str) -> None:
     load_full_optimizer_state_dict(fresh, fresh_optimizer, result["optimizer"])
     result["reloaded_state"] = full_state_dict(fresh)
     result["reloaded_optimizer"] = full_optimizer_state_dict(fresh, fresh_optimizer)
+    # gradient accumulation over token-budget micro-batches, every aggregation
+    result["accumulation"] = {}
+    for aggregation in AGGREGATIONS:
+        sharded_model = shard_model(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train())
+        steps = train_steps(sharded_model, aggregation=aggregation, micro_batch_tokens=MICRO_BATCH_TOKENS)
+        result["accumulation"][aggregation] = {k: steps[k] for k in ("loss", "grad_norm", "state")}
+    # bf16 compute over fp32 master weights: FSDP2's MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bf16_model = shard_model(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).train(),
+                             mp_policy=policy)
+    steps = train_steps(bf16_model, micro_batch_tokens=MICRO_BATCH_TOKENS)
+    result["bf16"] = {"loss": steps["loss"], "grad_norm": steps["grad_norm"], "state": steps["state"],
+                      "param_dtypes": {p.dtype for p in bf16_model.parameters()}}
     result.update(rank=get_rank(), sharded=sharded, tied=tied)
     if is_main_process():
         torch.save(result, out_path)
@@ -157,18 +187,28 @@ def test_bad_arguments_are_named(monkeypatch):
         init_distributed("cpu")
 
 
-def test_fsdp2_on_two_processes_matches_one_process(tiny_path, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "rank0.pt"
+def _torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), str(out), str(tiny_path)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+           os.path.abspath(__file__), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    dist_result = torch.load(out, weights_only=False)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def dist_result(tiny_path, tmp_path_factory):
+    """What the 2 FSDP2 processes wrote (one launch for the tests below)."""
+    out = tmp_path_factory.mktemp("fsdp2") / "rank0.pt"
+    _torchrun(str(out), str(tiny_path))
+    return torch.load(out, weights_only=False)
+
+
+def test_fsdp2_on_two_processes_matches_one_process(tiny_path, dist_result):
+    from transformers import AutoModelForCausalLM
+
     assert dist_result["sharded"] and dist_result["tied"]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train()
@@ -202,5 +242,81 @@ def test_fsdp2_on_two_processes_matches_one_process(tiny_path, tmp_path):
             assert torch.equal(dist_result["reloaded_optimizer"]["state"][name][key], value), (name, key)
 
 
-if __name__ == "__main__":  # the torchrun worker
-    _worker(sys.argv[1], sys.argv[2])
+@pytest.mark.parametrize("aggregation", AGGREGATIONS)
+def test_fsdp2_micro_batches_accumulate_the_whole_minibatch_gradient(tiny_path, dist_result, aggregation):
+    """2 ranks x token-budget micro-batches (uneven counts, weightless fill-ins) step exactly like one
+    process taking each mini-batch in one forward/backward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train()
+    single = train_steps(model, aggregation=aggregation)
+    split = dist_result["accumulation"][aggregation]
+    torch.testing.assert_close(split["loss"], single["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(split["grad_norm"], single["grad_norm"], atol=1e-6, rtol=1e-5)
+    for name, value in single["state"].items():
+        torch.testing.assert_close(split["state"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def test_fsdp2_bf16_mixed_precision_keeps_fp32_master_weights(tiny_path, dist_result):
+    from transformers import AutoModelForCausalLM
+
+    bf16 = dist_result["bf16"]
+    assert bf16["param_dtypes"] == {torch.float32}  # the sharded master weights
+    assert all(v.dtype == torch.float32 for v in bf16["state"].values())  # what checkpoints hold
+    model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train()
+    fp32 = train_steps(model)
+    torch.testing.assert_close(bf16["loss"], fp32["loss"], atol=2e-2, rtol=5e-2)  # within bf16 precision
+    assert bf16["loss"] != fp32["loss"]  # and really computed in bf16
+
+
+def _trainer_worker(out_path: str, run_dir: str) -> None:
+    """The Trainer itself under torchrun: bf16 compute, a KL reference, micro-batches, one iteration."""
+    from torch.distributed.tensor import DTensor
+
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    torch.set_num_threads(1)
+    cfg = compose_config(["env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2",
+                          "rollout.max_new_tokens=6", "progress=false", "eval_every=0", "iterations=1", "warm_start.steps=0",
+                          "model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.micro_batch_tokens=64",
+                          "algorithm.minibatch_size=4", "device=cpu", f"run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    reference = list(trainer.reference.parameters())
+    result = {
+        "reference_sharded": all(isinstance(p, DTensor) for p in reference),
+        "reference_local": sum(p.to_local().numel() for p in reference),
+        "reference_full": sum(p.numel() for p in reference),
+        "reference_dtypes": {p.dtype for p in reference},
+        "master_dtypes": {p.dtype for p in trainer.model.parameters()},
+        "rollout_dtypes": ({p.dtype for p in trainer.rollout_model.parameters()}
+                           if trainer.rollout_model is not None else None),
+    }
+    trainer.train()
+    if is_main_process():
+        result["history"] = trainer.history
+        torch.save(result, out_path)
+    from torchrl_agent.trainers.distributed import cleanup
+
+    cleanup()
+
+
+def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weights(tmp_path):
+    out = tmp_path / "trainer.pt"
+    _torchrun("trainer", str(out), str(tmp_path / "run"))
+    result = torch.load(out, weights_only=False)
+    assert result["reference_sharded"] and result["reference_local"] < 0.6 * result["reference_full"]
+    assert result["reference_dtypes"] == {torch.bfloat16}  # frozen: held in the compute dtype
+    assert result["master_dtypes"] == {torch.float32} and result["rollout_dtypes"] == {torch.bfloat16}
+    record = [h for h in result["history"] if "loss" in h][0]
+    assert record["skipped_steps"] == 0 and torch.isfinite(torch.tensor(record["loss"]))
+    assert "loss_kl" in record
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
+    assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
+
+
+if __name__ == "__main__":  # the torchrun workers
+    if sys.argv[1] == "trainer":
+        _trainer_worker(sys.argv[2], sys.argv[3])
+    else:
+        _worker(sys.argv[1], sys.argv[2])

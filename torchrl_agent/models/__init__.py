@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
 
-__all__ = ["build_tiny_model", "cache_dir", "load_model", "model_path"]
+__all__ = ["build_tiny_model", "cache_dir", "compute_dtype", "load_model", "model_path"]
 
 
 def model_path(cfg) -> str:
@@ -20,17 +20,26 @@ def model_path(cfg) -> str:
     raise ValueError(f"model.name: unknown model {cfg.name!r}; use tiny, smollm2-135m, or set model.path")
 
 
-def load_model(cfg):
-    """Return ``(model, tokenizer)`` for a model config, in ``cfg.dtype``."""
+def compute_dtype(cfg):
+    """The ``torch.dtype`` named by ``cfg.dtype``: the dtype a model computes in (training keeps
+    float32 master weights and computes in it through autocast or FSDP2's mixed precision)."""
     import torch
+
+    dtype = getattr(torch, str(cfg.dtype), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"model.dtype: unknown dtype {cfg.dtype!r}; use float32, bfloat16 or float16")
+    return dtype
+
+
+def load_model(cfg, *, dtype=None):
+    """Return ``(model, tokenizer)`` for a model config, with weights in ``dtype`` (default: the
+    compute dtype ``cfg.dtype``; the trainer passes ``torch.float32`` for its master weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_path(cfg)
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"model.dtype: unknown dtype {cfg.dtype!r}")
+    compute = compute_dtype(cfg)  # validated even when the weights are loaded in another dtype
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or compute)
     return model, tokenizer

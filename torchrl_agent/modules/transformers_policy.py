@@ -1,15 +1,14 @@
-"""The transformers rollout engine (the CPU default) and the trainer-side log-prob module."""
+"""The transformers rollout engine (the CPU default)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDictBase
-from tensordict.nn import TensorDictModuleBase
 
+from torchrl_agent.modules.logprobs import ResponseLogProbs, pad_rows  # noqa: F401  (their former home)
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["ResponseLogProbs", "TransformersPolicy", "pad_rows"]
+__all__ = ["TransformersPolicy"]
 
 
 class TransformersPolicy(LLMPolicy):
@@ -72,70 +71,3 @@ class TransformersPolicy(LLMPolicy):
             end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the eos token: it was sampled
             results.append((ids[:end], token_logp[row, :end].tolist()))
         return results
-
-
-def pad_rows(rows: TensorDictBase, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad each row's prompt + response into one sequence.
-
-    Returns ``input_ids`` ``[N, L]``, ``attention_mask`` ``[N, L]``, ``response_mask`` ``[N, T]``
-    and ``response_start`` ``[N]`` (index of the first response token in its sequence), where
-    ``T`` is the longest response.
-    """
-    n = rows.batch_size[0]
-    prompts = [rows[i]["tokens", "prompt"] for i in range(n)]
-    responses = [rows[i]["tokens", "response"] for i in range(n)]
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    t_max = max(1, max(len(r) for r in responses))
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    response_mask = torch.zeros((n, t_max), dtype=torch.bool)
-    start = torch.zeros(n, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq = torch.cat([p, r])
-        input_ids[i, : len(seq)] = seq
-        attention[i, : len(seq)] = 1
-        response_mask[i, : len(r)] = True
-        start[i] = len(p)
-    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response_mask,
-            "response_start": start}
-
-
-class ResponseLogProbs(TensorDictModuleBase):
-    """Recomputes the per-token log-probs (and entropies) of each row's response.
-
-    Reads the ragged ``("tokens", "prompt")`` and ``("tokens", "response")`` of a rows TensorDict
-    ``[N]``; writes padded ``log_prob`` ``[N, T]``, ``entropy`` ``[N, T]`` and ``mask`` ``[N, T]``
-    (True on response tokens). Gradients flow into ``model`` unless called under ``no_grad``.
-    ``log_prob_key`` renames the output (``old_log_prob``, ``ref_log_prob``).
-    """
-
-    in_keys = [("tokens", "prompt"), ("tokens", "response")]
-
-    def __init__(self, model, pad_token_id: int, *, temperature: float = 1.0, log_prob_key: str = "log_prob",
-                 with_entropy: bool = True):
-        super().__init__()
-        self.model = model
-        self.pad_token_id = pad_token_id
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.log_prob_key = log_prob_key
-        self.with_entropy = with_entropy
-        self.out_keys = [log_prob_key, "mask"] + (["entropy"] if with_entropy else [])
-
-    def forward(self, rows: TensorDictBase) -> TensorDictBase:
-        device = next(self.model.parameters()).device  # outputs live on the model's device
-        batch = {k: v.to(device) for k, v in pad_rows(rows, self.pad_token_id).items()}
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logits = logits.float() / self.temperature
-        n, t_max = batch["response_mask"].shape
-        # logits at position j predict token j+1: response token k sits at start+k, predicted at start+k-1
-        positions = (batch["response_start"][:, None] - 1 + torch.arange(t_max, device=device)[None]).clamp(
-            max=logits.shape[1] - 1)
-        picked = logits.gather(1, positions[..., None].expand(n, t_max, logits.shape[-1]))  # [N, T, V]
-        targets = batch["input_ids"].gather(1, (positions + 1).clamp(max=batch["input_ids"].shape[1] - 1))
-        logp_all = F.log_softmax(picked, dim=-1)
-        mask = batch["response_mask"]
-        rows.set(self.log_prob_key, logp_all.gather(-1, targets[..., None]).squeeze(-1) * mask)
-        rows.set("mask", mask)
-        if self.with_entropy:
-            rows.set("entropy", -(logp_all.exp() * logp_all).sum(-1) * mask)
-        return rows

@@ -1,6 +1,6 @@
 """The training loop, its typed config and the ``torchrl-agent`` console script."""
 
 from torchrl_agent.trainers.config import TrainConfig
-from torchrl_agent.trainers.trainer import Trainer, build_env
+from torchrl_agent.trainers.trainer import Trainer, TrainingDivergedError, build_env
 
-__all__ = ["TrainConfig", "Trainer", "build_env"]
+__all__ = ["TrainConfig", "Trainer", "TrainingDivergedError", "build_env"]

@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as err:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2
-    from torchrl_agent.trainers.trainer import CheckpointError
+    from torchrl_agent.trainers.trainer import CheckpointError, TrainingDivergedError
 
     try:
         summary = trainer.train()
-    except CheckpointError as err:  # metrics.jsonl is complete; the message names the intact checkpoint
+    except (CheckpointError, TrainingDivergedError) as err:  # metrics.jsonl is complete, checkpoints finite
         print(f"torchrl-agent: {err}", file=sys.stderr)
         return 1
     if summary:  # ranks > 0 under torchrun return {}

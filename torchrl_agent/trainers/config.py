@@ -74,6 +74,13 @@ class AlgorithmConfig:
     grad_clip: float = 1.0
     epochs: int = 1
     minibatch_size: int = 256
+    # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens
+    # (rows x longest prompt+response); their gradients accumulate to exactly the mini-batch's
+    micro_batch_tokens: int = 16384
+    # response tokens per LM-head chunk: at most this many x vocabulary float32 logits exist at once
+    logprob_chunk_tokens: int = 1024
+    # stop the run after this many consecutive optimizer steps skipped for a non-finite gradient norm
+    max_skipped_steps: int = 3
 
 
 @dataclass

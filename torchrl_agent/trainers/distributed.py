@@ -45,6 +45,7 @@ __all__ = [
     "broadcast_object",
     "cleanup",
     "clip_grad_norm",
+    "accumulation_weights",
     "decoder_layers",
     "distributed_loss_scale",
     "full_optimizer_state_dict",
@@ -56,6 +57,7 @@ __all__ = [
     "is_main_process",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
+    "loss_units",
     "reduce_mean",
     "shard_indices",
     "shard_model",
@@ -310,34 +312,61 @@ def shard_indices(indices: torch.Tensor | list[int], rank: int | None = None,
     return (local, True) if local else (indices[:1], False)
 
 
+def loss_units(response_lengths: torch.Tensor | list[int], aggregation: str = "token-mean") -> int:
+    """What a loss ``aggregation`` averages over, counted for rows of these response lengths: tokens
+    for ``token-mean``, rows with at least one token for ``seq-mean-token-sum`` / ``seq-mean-token-mean``."""
+    from torchrl_agent.objectives.clip_loss import AGGREGATIONS
+
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
+    lengths = torch.as_tensor(response_lengths, dtype=torch.long).reshape(-1)
+    return int(lengths.sum()) if aggregation == "token-mean" else int((lengths > 0).sum())
+
+
+def accumulation_weights(units: list[int]) -> tuple[list[float], int]:
+    """Loss weights for gradient accumulation over micro-batches, exact over ranks.
+
+    This rank runs its rows of a mini-batch as micro-batches holding ``units[m]`` loss units each
+    (:func:`loss_units`). Micro-batch ``m``'s loss (a mean over its own units) is weighted by
+    ``W * units[m] / N``, ``N`` the units of the whole mini-batch summed over the ``W`` ranks, so the
+    sum of the weighted losses, averaged over ranks by FSDP2, is the whole mini-batch's loss (see the
+    module docstring). Every rank must call it. Returns the weights and the number of micro-batches
+    every rank must run: the most any rank has (a rank with fewer runs weightless ones, with a zero
+    mask, so that FSDP2's collectives match). In a single process: ``units[m] / sum(units)``.
+    """
+    local = torch.tensor([float(sum(units)), float(len(units))], dtype=torch.float64)
+    total, count = float(local[0]), len(units)
+    if is_distributed():
+        both = local.to(_collective_device())
+        summed, most = both[:1].clone(), both[1:].clone()
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)
+        total, count = float(summed), int(most)
+    return [get_world_size() * u / max(total, 1.0) for u in units], count
+
+
 def distributed_loss_scale(mask: torch.Tensor, aggregation: str = "token-mean") -> torch.Tensor:
     """The factor for this rank's loss so that FSDP2's averaged gradient is the whole mini-batch's.
 
     ``W * n_r / N``: ``n_r`` counts this rank's units, ``N`` their sum over the ranks (all-reduced),
-    ``W`` the world size. Units are tokens for ``token-mean`` and rows with at least one token for
-    ``seq-mean-token-sum`` / ``seq-mean-token-mean`` (see the module docstring). Multiply the summed
-    loss terms by it before ``backward``; ``reduce_mean(scale * loss)`` is then the mini-batch's
-    loss. Every rank must call it. In a single process it is ``1``.
+    ``W`` the world size: :func:`accumulation_weights` for one micro-batch. Units are tokens for
+    ``token-mean`` and rows with at least one token for ``seq-mean-token-sum`` /
+    ``seq-mean-token-mean`` (see the module docstring). Multiply the summed loss terms by it before
+    ``backward``; ``reduce_mean(scale * loss)`` is then the mini-batch's loss. Every rank must call
+    it. In a single process it is ``1``.
 
     Args:
         mask: ``[N, T]`` bool, True on this rank's response tokens.
         aggregation: the loss module's aggregation.
     """
-    from torchrl_agent.objectives.clip_loss import AGGREGATIONS
-
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"`aggregation` must be one of {AGGREGATIONS}, got {aggregation!r}")
     if mask.ndim != 2:
+        loss_units([], aggregation)  # names a bad aggregation first
         raise ValueError(f"`mask` must have shape [N, T], got {tuple(mask.shape)}")
-    mask = mask.bool()
-    local = mask.sum() if aggregation == "token-mean" else (mask.sum(-1) > 0).sum()
-    local = local.to(torch.float64)
+    units = loss_units(mask.bool().sum(-1), aggregation)
     if not is_distributed():
         return torch.ones((), dtype=torch.float32, device=mask.device)
-    total = local.detach().clone().to(_collective_device())
-    dist.all_reduce(total, op=dist.ReduceOp.SUM)
-    total = total.to(mask.device)
-    return (get_world_size() * local / total.clamp_min(1)).to(torch.float32)
+    (weight,), _ = accumulation_weights([units])
+    return torch.tensor(weight, dtype=torch.float32, device=mask.device)
 
 
 def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:

@@ -5,8 +5,10 @@ One iteration::
     rows = collector.collect()                      # one row per env step, complete groups
     rows = advantage(rows)                          # GRPO / GiGPO / RLOO / REINFORCE++ per row
     old_log_prob, ref_log_prob = recompute(rows)    # trainer-side, no grad
-    for epoch, minibatch of rows:
-        loss = ClipPolicyLoss(log_prob(minibatch), ...)  -> backward -> clip -> AdamW step
+    for epoch, minibatch of rows:                   # one optimizer step per mini-batch
+        for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
+            (weight * ClipPolicyLoss(log_prob(micro), ...)).backward()  # accumulates the mini-batch's gradient
+        clip -> AdamW step (skipped when the gradient norm is not finite)
     policy.update_weights(...)                      # engines with their own weights
     evaluate on the held-out panel every `eval_every` iterations
 
@@ -43,7 +45,7 @@ from torchrl_agent.envs.transforms import (
     SummaryMemory,
     WindowMemory,
 )
-from torchrl_agent.models import load_model, model_path
+from torchrl_agent.models import compute_dtype, load_model, model_path
 from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
 from torchrl_agent.objectives import (
     ClipPolicyLoss,
@@ -54,10 +56,10 @@ from torchrl_agent.objectives import (
 )
 from torchrl_agent.trainers.config import TrainConfig
 from torchrl_agent.trainers.distributed import (
+    accumulation_weights,
     barrier,
     broadcast_object,
     clip_grad_norm,
-    distributed_loss_scale,
     full_optimizer_state_dict,
     full_state_dict,
     init_distributed,
@@ -65,13 +67,15 @@ from torchrl_agent.trainers.distributed import (
     is_main_process,
     load_full_optimizer_state_dict,
     load_full_state_dict,
+    loss_units,
     reduce_mean,
     shard_indices,
     shard_model,
 )
 from torchrl_agent.trainers.validate import resolve_resume, validate_config
 
-__all__ = ["CheckpointError", "Trainer", "build_env", "prompt_budget"]
+__all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
+           "token_budget_batches"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -187,6 +191,44 @@ def _finite_json(record: dict) -> tuple[dict, list[str]]:
     return {k: (None if k in bad else v) for k, v in record.items()}, bad
 
 
+def token_budget_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+    """Splits ``indices`` into micro-batches whose padded size (rows x longest ``lengths[i]``) is at
+    most ``budget`` tokens; a row longer than the budget goes alone. Longest rows first, so that rows
+    of similar length share a micro-batch (less padding)."""
+    batches: list[list[int]] = []
+    for i in sorted(indices, key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def _lengths(rows: TensorDictBase) -> tuple[list[int], list[int]]:
+    """Per-row prompt + response token counts and response token counts."""
+    responses = [len(r) for r in rows.get(("tokens", "response"), as_list=True)]
+    prompts = [len(p) for p in rows.get(("tokens", "prompt"), as_list=True)]
+    return [p + r for p, r in zip(prompts, responses)], responses
+
+
+def micro_batches(rows: TensorDictBase, idx: list[int], active: bool = True, *, budget: int,
+                  aggregation: str) -> list[tuple[list[int], float, bool]]:
+    """This rank's rows ``idx`` of a mini-batch as ``(rows, loss weight, active)`` micro-batches of
+    at most ``budget`` padded tokens (:func:`token_budget_batches`). The weights make the sum of
+    the micro-batches' weighted losses the whole mini-batch's loss, so accumulating their gradients
+    gives the mini-batch's gradient (:func:`~torchrl_agent.trainers.distributed.accumulation_weights`,
+    exact over FSDP2 ranks). Every rank gets the same number of micro-batches: an ``active=False``
+    one (weight 0, to run with a zero mask) fills in where a rank has fewer."""
+    lengths, responses = _lengths(rows)
+    batches = token_budget_batches(idx, lengths, budget) if active else []
+    weights, count = accumulation_weights([loss_units([responses[i] for i in b], aggregation) for b in batches])
+    return [(b, w, True) for b, w in zip(batches, weights)] + [(idx[:1], 0.0, False)] * (count - len(batches))
+
+
+class TrainingDivergedError(RuntimeError):
+    """Raised after ``algorithm.max_skipped_steps`` consecutive non-finite gradient norms."""
+
+
 def _pad(values: list[torch.Tensor], width: int) -> torch.Tensor:
     out = torch.zeros(len(values), width, device=values[0].device if values else None)
     for i, v in enumerate(values):
@@ -208,22 +250,42 @@ class Trainer:
         if is_main_process():
             model_path(cfg.model)  # build (and cache) the tiny model once, before the other ranks read it
         barrier()
-        self.model, self.tokenizer = load_model(cfg.model)
+        # mixed precision: float32 master weights and optimizer state, computing in `model.dtype`
+        # (autocast in a single process, FSDP2's MixedPrecisionPolicy under torchrun)
+        self.compute_dtype = compute_dtype(cfg.model)
+        if self.compute_dtype == torch.float16:
+            raise ValueError("model.dtype: float16 training is not supported (it needs a loss scaler); "
+                             "use bfloat16 or float32")
+        self.model, self.tokenizer = load_model(cfg.model, dtype=torch.float32)
         self.model.to(self.device).train()
         a = cfg.algorithm
-        self.reference = None
         if cfg.model.lora_rank > 0:
             # LoRA: only the adapters train; the reference policy is the base model with the
             # adapters disabled (no second copy of the weights)
             self.model = apply_lora(self.model, cfg.model)
-        elif a.kl_coef > 0:  # the frozen initial policy (a full copy on every rank)
-            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
-        # the rollout engine's weights: the training model itself in a single process; under torchrun
-        # rank 0's own full copy (a forward of the sharded model is collective), synced after updates
-        self.rollout_model = self.model
-        if is_distributed():
-            self.rollout_model = copy.deepcopy(self.model).eval() if is_main_process() else None
-        self.model = shard_model(self.model)  # no-op in a single process
+        lowp = self.compute_dtype != torch.float32
+        # the frozen initial policy of the KL term: held in the compute dtype (it never trains) and
+        # under torchrun sharded like the policy, never a full copy per rank
+        self.reference = None
+        if a.kl_coef > 0 and cfg.model.lora_rank == 0:
+            self.reference = shard_model(copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False))
+        # the transformers engine's weights: the training model itself (float32, one process), else a
+        # copy in the compute dtype on rank 0 (a forward of the sharded model is collective), loaded
+        # by sync_weights after every update; the vLLM engine holds its own copy (None here)
+        self.rollout_model = None
+        if cfg.rollout.engine == "transformers":
+            self.rollout_model = self.model
+            if lowp or is_distributed():
+                self.rollout_model = (copy.deepcopy(self.model).to(self.compute_dtype).eval()
+                                      if is_main_process() else None)
+        mp_policy = None
+        if lowp and is_distributed():
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
+        self.model = shard_model(self.model, mp_policy=mp_policy)  # no-op in a single process
+        self.autocast_enabled = lowp and not is_distributed()
+        self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradient norm)
         r = cfg.rollout
         self.policy = self.eval_policy = self.env = self.collector = None
         if is_main_process():
@@ -234,7 +296,8 @@ class Trainer:
             self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
                                            progress=cfg.progress)
         self.advantage = build_advantage(cfg)
-        self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature)
+        self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
+                                      chunk_tokens=a.logprob_chunk_tokens)
         self.loss = ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip,
                                    aggregation=a.aggregation, kl_coef=a.kl_coef, entropy_coef=a.entropy_coef,
                                    ratio=a.ratio)
@@ -253,65 +316,123 @@ class Trainer:
         self._faults_seen = 0  # entries of the env's fault_log already reported
 
     # ------------------------------------------------------------------ pieces
+    def autocast(self):
+        """Computes in ``model.dtype`` over the float32 weights (a single process; under torchrun
+        FSDP2's mixed-precision policy does it, and this is a no-op)."""
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.autocast_enabled)
+
     @torch.no_grad()
-    def recompute(self, model, rows: TensorDictBase, chunk: int = 64) -> list[torch.Tensor]:
-        """Per-row response log-probs under ``model`` (a list of 1-D tensors)."""
+    def recompute(self, model, rows: TensorDictBase) -> list[torch.Tensor]:
+        """Per-row response log-probs under ``model`` (a list of 1-D float32 tensors), in micro-batches
+        of ``algorithm.micro_batch_tokens`` padded tokens (the same split on every rank)."""
+        a = self.cfg.algorithm
         module = ResponseLogProbs(model, self.tokenizer.pad_token_id, temperature=self.actor.temperature,
-                                  with_entropy=False)
-        out = []
-        for start in range(0, rows.batch_size[0], chunk):
-            part = module(rows[start:start + chunk])
-            lengths = part["mask"].sum(-1)
-            out += [lp[: int(n)] for lp, n in zip(part["log_prob"], lengths)]
+                                  with_entropy=False, chunk_tokens=a.logprob_chunk_tokens)
+        lengths, _ = _lengths(rows)
+        out: list[torch.Tensor] = [torch.zeros(0)] * len(lengths)
+        for idx in token_budget_batches(list(range(len(lengths))), lengths, a.micro_batch_tokens):
+            with self.autocast():
+                part = module(rows[idx])
+            for i, lp, n in zip(idx, part["log_prob"], part["mask"].sum(-1)):
+                out[i] = lp[: int(n)]
         return out
 
+    def reference_log_probs(self, rows: TensorDictBase) -> list[torch.Tensor] | None:
+        """The KL reference's per-row log-probs (None without a KL term)."""
+        if self.cfg.algorithm.kl_coef <= 0:
+            return None
+        if self.cfg.model.lora_rank > 0:
+            with self.model.disable_adapter():
+                return self.recompute(self.model, rows)
+        return self.recompute(self.reference, rows)
+
+    def micro_batches(self, rows: TensorDictBase, idx: list[int], active: bool) -> list[tuple[list[int], float, bool]]:
+        """:func:`micro_batches` of this rank's rows ``idx`` of a mini-batch, per the config."""
+        a = self.cfg.algorithm
+        return micro_batches(rows, idx, active, budget=a.micro_batch_tokens, aggregation=a.aggregation)
+
+    def loss_inputs(self, rows: TensorDictBase, idx: list[int], old, ref, advantage, active: bool = True) -> TensorDict:
+        """The loss module's input for rows ``idx``: current log-probs and entropies (with grad, in
+        the compute dtype), the recomputed old and reference log-probs and the advantage, ``[n, T]``."""
+        with self.autocast():
+            current = self.actor(rows[idx])
+        width = current["log_prob"].shape[-1]
+        mask = current["mask"] & active
+        batch = TensorDict({
+            "log_prob": current["log_prob"], "entropy": current["entropy"], "mask": mask,
+            "old_log_prob": _pad([old[i] for i in idx], width),
+            "advantage": advantage[idx].to(mask.device),
+        }, batch_size=[len(idx)])
+        if ref is not None:
+            batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
+        return batch
+
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clips the accumulated gradient and steps; returns ``(grad_norm, skipped)``.
+
+        A non-finite norm skips the step: the gradients are zeroed, the weights and the optimizer
+        state stay as they are, and a warning names the step. ``algorithm.max_skipped_steps`` skips in
+        a row raise :class:`TrainingDivergedError`, before any NaN reaches the weights or a checkpoint.
+        """
+        a = self.cfg.algorithm
+        grad_norm = clip_grad_norm(self.model.parameters(), a.grad_clip)  # the same on every rank
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_skips = 0
+            return float(grad_norm), False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_skips += 1
+        logger.warning("iteration %d: gradient norm is %s, optimizer step skipped (%d in a row)",
+                       self.iteration, float(grad_norm), self.consecutive_skips)
+        if self.consecutive_skips >= a.max_skipped_steps:
+            raise TrainingDivergedError(
+                f"training diverged at iteration {self.iteration}: the gradient norm was not finite in "
+                f"{self.consecutive_skips} optimizer steps in a row (algorithm.max_skipped_steps="
+                f"{a.max_skipped_steps}); the weights were left as they were before. Likely causes: "
+                f"algorithm.lr={a.lr:g} too high, algorithm.kl_coef={a.kl_coef:g} or "
+                f"algorithm.entropy_coef={a.entropy_coef:g} too large, or non-finite advantages/rewards")
+        return float(grad_norm), True
+
     def update(self, rows: TensorDictBase) -> dict[str, float]:
-        """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics."""
+        """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics.
+
+        A mini-batch is one optimizer step, its rows run as token-budget micro-batches whose weighted
+        losses accumulate exactly the mini-batch's gradient (every aggregation, any number of ranks).
+        """
         a = self.cfg.algorithm
         n = rows.batch_size[0]
-        old = self.recompute(self.model, rows)
+        old = self.recompute(self.model, rows)  # the policy that collected the rows (before any step)
         consistency = self.logprob_consistency(rows, old)
-        ref = None
-        if a.kl_coef > 0 and self.cfg.model.lora_rank > 0:
-            with self.model.disable_adapter():
-                ref = self.recompute(self.model, rows)
-        elif self.reference is not None:
-            ref = self.recompute(self.reference, rows)
+        ref = self.reference_log_probs(rows)
         advantage = rows["advantage"].reshape(-1).float()
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
-        steps = 0
+        steps = skipped = 0
         self.model.train()
         for _ in range(a.epochs):
             order = torch.randperm(n, generator=generator)
             for start in range(0, n, a.minibatch_size):
                 # this rank's rows of the mini-batch (all of them in a single process)
                 idx, active = shard_indices(order[start:start + a.minibatch_size])
-                mb = self.actor(rows[idx])
-                width = mb["log_prob"].shape[-1]
-                mask = mb["mask"] & active
-                batch = TensorDict({
-                    "log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mask,
-                    "old_log_prob": _pad([old[i] for i in idx], width),
-                    "advantage": advantage[idx].to(mask.device),
-                }, batch_size=[len(idx)])
-                if ref is not None:
-                    batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
-                losses = self.loss(batch)
-                total = sum(v for k, v in losses.items() if k.startswith("loss_"))
-                # exact data parallelism: the averaged gradient is the whole mini-batch's (1 in one process)
-                scale = distributed_loss_scale(mask, a.aggregation)
                 self.optimizer.zero_grad(set_to_none=True)
-                (scale * total).backward()
-                grad_norm = clip_grad_norm(self.model.parameters(), a.grad_clip)
-                self.optimizer.step()
+                step: dict[str, torch.Tensor] = {}
+                for micro, weight, live in self.micro_batches(rows, idx, active):
+                    losses = self.loss(self.loss_inputs(rows, micro, old, ref, advantage, live))
+                    total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+                    (weight * total).backward()  # sum over micro-batches (and ranks): the mini-batch's gradient
+                    for k, v in [*losses.items(), ("loss", total)]:
+                        step[k] = step.get(k, 0.0) + weight * v.detach()
+                grad_norm, was_skipped = self.optimizer_step()
+                skipped += was_skipped
+                if was_skipped:
+                    continue
                 steps += 1
-                for k, v in losses.items():
-                    totals[k] = totals.get(k, 0.0) + reduce_mean(scale * v)
-                totals["grad_norm"] = totals.get("grad_norm", 0.0) + float(grad_norm)
-                totals["loss"] = totals.get("loss", 0.0) + reduce_mean(scale * total.detach())
+                for k, v in step.items():
+                    totals[k] = totals.get(k, 0.0) + reduce_mean(v)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         self.sync_weights()
-        return {**{k: v / max(steps, 1) for k, v in totals.items()}, **consistency}
+        means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
+        return {**means, **consistency, "skipped_steps": skipped}
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
@@ -330,13 +451,16 @@ class Trainer:
         return out
 
     def sync_weights(self) -> None:
-        """Hands the trained weights to the rollout engine (under torchrun every rank must call it)."""
-        if not is_distributed():
-            self.policy.update_weights(self.model.state_dict())
+        """Hands the trained weights to the rollout engine, in the compute dtype (under torchrun every
+        rank must call it: the full weights are gathered on rank 0)."""
+        state = full_state_dict(self.model) if is_distributed() else self.model.state_dict()
+        if not is_main_process():
             return
-        state = full_state_dict(self.model)  # gathered on rank 0
-        if is_main_process():
-            self.rollout_model.load_state_dict(state)
+        if self.rollout_model is None:  # an engine with its own weights (vLLM)
+            self.policy.update_weights({k: v.detach().to(self.compute_dtype) if v.is_floating_point() else v
+                                        for k, v in state.items()})
+        elif self.rollout_model is not self.model:
+            self.rollout_model.load_state_dict(state)  # cast into the engine's copy
             self.policy.update_weights(state)
 
     @torch.no_grad()
