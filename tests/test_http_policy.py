@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -294,3 +295,112 @@ def test_vllm_openai_server(vllm_server):
     assert [g.response_ids for g in again] == [td[i]["tokens", "response"].tolist() for i in range(3)]
     gens = policy.generate(["word " * 300, prompts[0]])  # past the server's max_model_len (256)
     assert [g.prompt_too_long for g in gens] == [True, False]
+
+
+# ----------------------------------------------------------------------------------- bad endpoints
+class _Garbage:
+    """A local endpoint whose n-th reply follows ``modes[n % len(modes)]`` (or the mode named in the
+    prompt): a valid completion, bad bytes, wrong shapes, a lone surrogate, or no answer at all.
+    ``interrupt_at``: send this process SIGINT when that request arrives (a real Ctrl-C)."""
+
+    MODES = ("ok", "non_utf8", "text_not_string", "choices_string", "surrogate", "hang")
+
+    def __init__(self, modes=("ok",), interrupt_at=None):
+        self.modes, self.count, self.interrupt_at = list(modes), 0, interrupt_at
+        self.lock = threading.Lock()
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with outer.lock:
+                    n, outer.count = outer.count, outer.count + 1
+                if outer.interrupt_at is not None and n == outer.interrupt_at:
+                    import os
+                    import signal
+
+                    os.kill(os.getpid(), signal.SIGINT)
+                named = [m for m in outer.MODES if f"mode={m}" in body.get("prompt", "")]
+                mode = named[0] if named else outer.modes[n % len(outer.modes)]
+                if mode == "hang":
+                    time.sleep(3)
+                    return
+                text = "<think>hm</think><action>stay</action>"
+                payload = {"ok": {"choices": [{"text": text}]},
+                           "text_not_string": {"choices": [{"text": {"oops": 1}}]},
+                           "choices_string": {"choices": "none today"},
+                           "surrogate": {"choices": [{"text": "ok \ud800 x"}]}}.get(mode)
+                data = b"\xff\xfe<html>busy</html>" if mode == "non_utf8" else json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_bad_replies_cost_only_their_prompt_and_name_the_url(tokenizer):
+    srv = _Garbage()
+    try:
+        policy = HTTPPolicy(srv.url, tokenizer, max_new_tokens=4, timeout=0.5, retries=0, on_error="truncate")
+        t0 = time.perf_counter()
+        out = policy.generate([f"mode={m}" for m in _Garbage.MODES])
+        assert time.perf_counter() - t0 < 3  # the hanging request cost its timeout, no more
+        by_mode = dict(zip(_Garbage.MODES, out))
+        assert by_mode["ok"].text.endswith("<action>stay</action>") and not by_mode["ok"].prompt_too_long
+        assert by_mode["surrogate"].text == "ok ? x"  # cleaned to valid UTF-8, then tokenised
+        assert tokenizer.decode(by_mode["surrogate"].response_ids) == "ok ? x"
+        for mode in ("non_utf8", "text_not_string", "choices_string", "hang"):
+            assert by_mode[mode].prompt_too_long and by_mode[mode].response_ids == []
+        assert len(policy.errors) == 4 and all(f"{srv.url}/v1/completions" in e for e in policy.errors)
+        joined = " | ".join(policy.errors)
+        for reason in ("not JSON", "not a string", "no completion", "no answer within 0.5 s"):
+            assert reason in joined, (reason, joined)
+        strict = HTTPPolicy(srv.url, tokenizer, max_new_tokens=4, retries=0)  # the default raises
+        with pytest.raises(HTTPPolicyError, match=f"{srv.url}/v1/completions answered no completion"):
+            strict.generate(["mode=choices_string"])
+    finally:
+        srv.close()
+
+
+def test_eval_on_a_garbage_endpoint_costs_episodes_not_the_panel(capsys):
+    from torchrl_agent.trainers.cli import main
+
+    # every answer is an invalid move (episodes run their 3 steps): 12 requests, the 8th is garbage
+    srv = _Garbage(modes=("ok",) * 7 + ("non_utf8",))
+    try:
+        args = ["eval", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.timeout=1",
+                "eval.retries=0", "eval.chunk_episodes=2", "progress=false"]
+        assert main(args) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["episodes"] == 4 and result["failed_episodes"] == 1
+        assert srv.url in result["endpoint_errors"][0] and "not JSON" in result["endpoint_errors"][0]
+        assert result["episode_length"] < 3  # the failed episode ended early, the others ran their 3 steps
+    finally:
+        srv.close()
+
+
+def test_eval_interrupted_prints_the_finished_chunks(capsys):
+    from torchrl_agent.trainers.cli import main
+
+    # every answer is an invalid move, so each chunk of 2 episodes x 3 steps takes exactly 6 requests;
+    # Ctrl-C arrives with the first request of the second chunk
+    srv = _Garbage(interrupt_at=6)
+    try:
+        args = ["eval", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.retries=0",
+                "eval.chunk_episodes=2", "progress=false"]
+        assert main(args) == 130
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["interrupted"] is True and result["episodes"] == 2
+    finally:
+        srv.close()

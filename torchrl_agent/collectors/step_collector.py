@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: Keys of the step's input copied into its row.
 _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type", "anchor", "memory",
                "step_count", ("text", "prompt"))
-_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault")
+_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault")
 
 
 class StepCollector:
@@ -89,7 +89,14 @@ class StepCollector:
         rows: list[TensorDictBase] = []
         t0, generated, gen_slots = time.perf_counter(), 0, 0
         bar = tqdm(total=None, desc="collect", unit="step", disable=not self.progress, leave=False)
+        cut_total = 0
         while running.any():
+            cut = self._over_budget(td, running)
+            if cut.any():  # the current observation alone is over the prompt budget: no generation
+                self._end_before_generation(cut, rows, traj_id)
+                running, cut_total = running & ~cut, cut_total + int(cut.sum())
+                if not running.any():
+                    break
             active = torch.arange(n) if self.lockstep else running.nonzero().squeeze(-1)
             out = self.policy(td[active].select(("text", "prompt")))
             gen_slots += len(active)
@@ -108,7 +115,8 @@ class StepCollector:
                                   strict=False)
                 row.update(td[i]["next"].select(*_OUTCOME_KEYS, strict=False))
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
-                    logger.warning("prompt of environment %d exceeds the engine's limit: episode truncated", i)
+                    logger.warning("the engine generated nothing for environment %d (prompt over the engine's "
+                                   "limit, or a failed request): episode truncated", i)
                     row["truncated"] = torch.ones(1, dtype=torch.bool)
                     row["done"] = torch.ones(1, dtype=torch.bool)
                 row.update(out[j].select("tokens", "log_probs", "prompt_too_long", "cached_tokens"))
@@ -128,8 +136,28 @@ class StepCollector:
         elapsed = time.perf_counter() - t0
         self.stats = {"collect_time_s": elapsed, "env_steps": len(rows), "generated_tokens": generated,
                       "generation_slots": gen_slots, "env_steps_per_s": len(rows) / elapsed,
-                      "tokens_per_s": generated / elapsed}
+                      "tokens_per_s": generated / elapsed, "prompt_budget_truncations": cut_total}
         return lazy_stack(rows)
+
+    @staticmethod
+    def _over_budget(td: TensorDictBase, running: torch.Tensor) -> torch.Tensor:
+        """The running environments whose prompt is over the prompt transform's budget with no
+        memory left to drop (``prompt_over_budget``; all False without a budget)."""
+        over = td.get("prompt_over_budget", None)
+        return running & over.reshape(-1).bool() if over is not None else torch.zeros_like(running)
+
+    @staticmethod
+    def _end_before_generation(cut: torch.Tensor, rows: list[TensorDictBase], traj_id: torch.Tensor) -> None:
+        """End the ``cut`` episodes without generating: the episode's last recorded step becomes
+        its ``truncated`` end (an episode cut at its first step has no rows at all)."""
+        for i in cut.nonzero().reshape(-1).tolist():
+            logger.warning("environment %d: the current observation alone is over the prompt budget "
+                           "(memory.max_prompt_tokens): episode truncated before generating", i)
+            for row in reversed(rows):
+                if int(row["traj_id"]) == int(traj_id[i]):
+                    row["truncated"] = torch.ones(1, dtype=torch.bool)
+                    row["done"] = torch.ones(1, dtype=torch.bool)
+                    break
 
     def __iter__(self):
         while True:

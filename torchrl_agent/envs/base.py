@@ -18,6 +18,7 @@ key                    shape        meaning
 ``reward``             ``[B, 1]``   float32
 ``done``, ``terminated``, ``truncated``  ``[B, 1]`` bool, TorchRL conventions
 ``action``             ``[B]`` str  the env command (input)
+``env_fault``          ``[B, 1]``   bool, the game raised in this step: its episode ends truncated
 =====================  ===========  ==========================================================
 
 Group seeding: the ``group_size`` games of a group start from the same seed, so they share
@@ -27,12 +28,19 @@ seeds drawn from the env's generator, evaluation episodes take the odd seeds of 
 
 A game that is already done ignores further actions: the batch can be stepped as a whole while
 the collector only generates for the games that still run.
+
+Faults: a game whose ``step`` raises (a retrieval server that is down, a crashed simulator) does not
+stop the batch: that game's episode ends ``truncated`` with ``env_fault`` set, the reason is logged
+and kept in ``fault_log``, and every other game goes on. The trainer leaves faulted episodes out
+of the advantage groups and the loss.
 """
 
 from __future__ import annotations
 
 import abc
 import hashlib
+import logging
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -44,6 +52,8 @@ from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 from torchrl.envs import EnvBase
 
 __all__ = ["TextGame", "GameState", "TextEnv", "clean_text", "stable_hash"]
+
+logger = logging.getLogger(__name__)
 
 #: The string keys a TextEnv writes at reset and step.
 TEXT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type")
@@ -131,6 +141,7 @@ class TextEnv(EnvBase):
         self._done = np.ones(self.batch_size[0], dtype=bool)
         self._success = np.zeros(self.batch_size[0], dtype=bool)
         self._states: list[GameState] = [GameState("")] * self.batch_size[0]
+        self.fault_log: list[str] = []  # the reasons of the games' faults, oldest first
         self._make_specs()
         self.set_seed(seed)
 
@@ -146,6 +157,7 @@ class TextEnv(EnvBase):
             anchor=Unbounded(shape=B, dtype=torch.int64),
             step_count=Bounded(low=0, high=self.max_steps, shape=(*B, 1), dtype=torch.int64),
             success=Categorical(2, shape=(*B, 1), dtype=torch.bool),
+            env_fault=Categorical(2, shape=(*B, 1), dtype=torch.bool),
             shape=B,
         )
         self.action_spec = NonTensor(shape=B, example_data="", dtype=None)
@@ -202,12 +214,25 @@ class TextEnv(EnvBase):
         reward = np.zeros(n, dtype=np.float32)
         terminated = np.zeros(n, dtype=bool)
         truncated = np.zeros(n, dtype=bool)
+        fault = np.zeros(n, dtype=bool)
         for i in range(n):
             if self._done[i]:  # finished earlier: the action is ignored, the state kept
                 terminated[i] = True
                 continue
-            self._record_step(i, self.games[i].step(actions[i]), reward, terminated, truncated)
-        return self._observation_td(reward, terminated, truncated)
+            try:
+                result = self.games[i].step(actions[i])
+            except Exception as err:  # the game failed: its episode ends here, the batch goes on
+                self._fault(i, err)
+                fault[i] = truncated[i] = self._done[i] = True
+                continue
+            self._record_step(i, result, reward, terminated, truncated)
+        return self._observation_td(reward, terminated, truncated, fault)
+
+    def _fault(self, i: int, err: BaseException) -> None:
+        """Log and keep the reason game ``i`` failed (its episode is ended by the caller)."""
+        reason = f"game {i}: {type(err).__name__}: {err}"
+        self.fault_log.append(reason + "\n" + "".join(traceback.format_exception(err, limit=-3)))
+        logger.warning("environment fault, episode truncated: %s", reason)
 
     def _record_step(self, i: int, result, reward, terminated, truncated) -> None:
         """Book game ``i``'s ``(state, reward, terminated, success)`` into the batch arrays."""
@@ -220,7 +245,7 @@ class TextEnv(EnvBase):
         truncated[i] = not term and self._step_count[i] >= self.max_steps
         self._done[i] = terminated[i] or truncated[i]
 
-    def _observation_td(self, reward, terminated, truncated) -> TensorDictBase:
+    def _observation_td(self, reward, terminated, truncated, env_fault=None) -> TensorDictBase:
         B = self.batch_size
         states = self._states
         td = TensorDict(
@@ -239,6 +264,8 @@ class TextEnv(EnvBase):
                 "terminated": torch.from_numpy(terminated).unsqueeze(-1),
                 "truncated": torch.from_numpy(truncated).unsqueeze(-1),
                 "done": torch.from_numpy(terminated | truncated).unsqueeze(-1),
+                "env_fault": torch.from_numpy(np.zeros(B[0], dtype=bool) if env_fault is None
+                                              else env_fault).unsqueeze(-1),
             },
             batch_size=B,
         )

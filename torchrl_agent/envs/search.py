@@ -42,14 +42,18 @@ from __future__ import annotations
 import abc
 import functools
 import hashlib
+import http.client
 import importlib.util
 import json
+import logging
+import multiprocessing
 import os
 import re
 import shutil
 import string
 import tempfile
 import threading
+import time
 import unicodedata
 import urllib.error
 import urllib.parse
@@ -62,7 +66,7 @@ from typing import Literal
 
 import numpy as np
 
-from torchrl_agent.envs.base import GameState, TextEnv, TextGame, _as_str_list, stable_hash
+from torchrl_agent.envs.base import GameState, TextEnv, TextGame, _as_str_list, clean_text, stable_hash
 
 __all__ = [
     "Passage",
@@ -71,6 +75,7 @@ __all__ = [
     "Retriever",
     "BM25Retriever",
     "HttpRetriever",
+    "RetrievalError",
     "SearchGame",
     "SearchEnv",
     "load_wiki_corpus",
@@ -429,6 +434,10 @@ class BM25Retriever(Retriever):
         return results
 
 
+class RetrievalError(RuntimeError):
+    """The retrieval server failed after its retries; the message names the URL and the reason."""
+
+
 class HttpRetriever(Retriever):
     """A client of Search-R1's retrieval server.
 
@@ -436,35 +445,71 @@ class HttpRetriever(Retriever):
     ``{"result": [[{"document": {"contents": "Title\\ntext", ...}, "score": s}, ...], ...]}``
     (one list per query; plain document dicts, as sent with ``return_scores: false``, are read too).
 
+    A request that fails (connection refused, no answer within ``timeout``, an HTTP error, a reply
+    that is not the protocol's) is retried ``retries`` times, ``backoff * 2**i`` seconds apart;
+    then :class:`RetrievalError` names the URL and the reason. In a
+    :class:`~torchrl_agent.envs.base.TextEnv` that error ends the searching games' episodes
+    (``env_fault``, or ``worker_fault`` in worker processes), not the run.
+
     Args:
         url: the server's endpoint, e.g. ``"http://127.0.0.1:8000/retrieve"``; a URL without a
             path gets ``/retrieve``.
-        timeout: seconds to wait for one request.
+        timeout: seconds to wait for one request attempt.
+        retries: attempts after the first one.
+        backoff: seconds before the first retry (doubling).
     """
 
-    def __init__(self, url: str, *, timeout: float = 30.0):
+    def __init__(self, url: str, *, timeout: float = 10.0, retries: int = 2, backoff: float = 0.5):
         parsed = urllib.parse.urlparse(url) if isinstance(url, str) else None
         if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"url must be an http(s) URL such as 'http://127.0.0.1:8000/retrieve', got {url!r}")
         if parsed.path in ("", "/"):
             url = urllib.parse.urlunparse(parsed._replace(path="/retrieve"))
-        if timeout <= 0:
+        if not timeout > 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
+        if retries < 0 or backoff < 0:
+            raise ValueError(f"retries and backoff must be >= 0, got {retries}, {backoff}")
         self.url, self.timeout = url, float(timeout)
+        self.retries, self.backoff = int(retries), float(backoff)
+
+    def check(self) -> None:
+        """The health check: one query, one attempt; :class:`RetrievalError` naming the URL if it fails."""
+        try:
+            self._request(["health check"], 1)
+        except RetrievalError as err:
+            raise RetrievalError(f"retrieval server health check failed: {err}") from None
 
     def _search(self, queries: list[str], k: int) -> list[list[Passage]]:
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._request(queries, k)
+            except RetrievalError as err:
+                last = err
+        raise RetrievalError(f"{last} (after {self.retries + 1} attempts)")
+
+    def _request(self, queries: list[str], k: int) -> list[list[Passage]]:
+        """One POST, parsed; :class:`RetrievalError` naming the URL and what went wrong."""
         body = json.dumps({"queries": queries, "topk": k, "return_scores": True}).encode("utf-8")
         request = urllib.request.Request(
             self.url, data=body, method="POST", headers={"Content-Type": "application/json"}
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                payload = json.loads(response.read().decode("utf-8"))
-        except (urllib.error.URLError, OSError, ValueError) as err:
-            raise RuntimeError(f"retrieval server {self.url} failed: {err}") from err
+                text = response.read().decode("utf-8", "replace")
+        except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as err:
+            what = f"no answer within {self.timeout} s" if isinstance(err, TimeoutError) or "timed out" in str(err) \
+                else f"{type(err).__name__}: {err}"
+            raise RetrievalError(f"retrieval server {self.url} failed: {what}") from err
+        try:
+            payload = json.loads(text)
+        except ValueError:
+            raise RetrievalError(f"retrieval server {self.url} answered with a body that is not JSON: "
+                                 f"{text[:200]!r}") from None
         result = payload.get("result") if isinstance(payload, dict) else None
         if not isinstance(result, list) or len(result) != len(queries):
-            raise RuntimeError(
+            raise RetrievalError(
                 f"retrieval server {self.url} answered without a 'result' list of {len(queries)} entries: "
                 f"{str(payload)[:200]}"
             )
@@ -474,13 +519,35 @@ class HttpRetriever(Retriever):
                 passages = []
                 for hit in hits[:k]:
                     document, score = (hit["document"], hit.get("score", 0.0)) if "document" in hit else (hit, 0.0)
-                    passages.append(Passage.from_contents(str(document["contents"]), score))
+                    passages.append(Passage.from_contents(clean_text(str(document["contents"])), float(score)))
                 out.append(passages)
         except (TypeError, KeyError, ValueError, AttributeError) as err:
-            raise RuntimeError(
+            raise RetrievalError(
                 f"retrieval server {self.url} sent a malformed result ({err!r}): {str(payload)[:200]}"
             ) from err
         return out
+
+
+_HEALTHY_URLS: set[str] = set()  # retrieval servers that passed their health check in this process
+logger = logging.getLogger(__name__)
+
+
+def _health_check(retriever: HttpRetriever) -> None:
+    """Check a retrieval server once per process, at the first env that uses it (the start of a
+    run): a server that is down raises :class:`RetrievalError` naming its URL. Later envs (the
+    evaluation panel, restarted workers) skip it, and in a worker process a failed check is only
+    logged: mid-run, a server that went down ends the searching games (``env_fault`` /
+    ``worker_fault``), not the run."""
+    if retriever.url in _HEALTHY_URLS:
+        return
+    try:
+        retriever.check()
+    except RetrievalError as err:
+        if multiprocessing.parent_process() is None:
+            raise
+        logger.warning("%s (in a worker: its searches will fault)", err)
+        return
+    _HEALTHY_URLS.add(retriever.url)
 
 
 def make_retrieval_server(retriever: Retriever, host: str = "127.0.0.1", port: int = 8000) -> ThreadingHTTPServer:
@@ -535,13 +602,13 @@ def _default_bm25() -> BM25Retriever:
     return BM25Retriever()
 
 
-def _as_retriever(retriever: Retriever | str | None) -> Retriever:
+def _as_retriever(retriever: Retriever | str | None, **http_kwargs) -> Retriever:
     if retriever is None or retriever == "bm25":
         return _default_bm25()
     if isinstance(retriever, Retriever):
         return retriever
     if isinstance(retriever, str) and retriever.startswith(("http://", "https://")):
-        return HttpRetriever(retriever)
+        return HttpRetriever(retriever, **http_kwargs)
     raise ValueError(f"retriever must be a Retriever, 'bm25' or an http(s) URL, got {retriever!r}")
 
 
@@ -575,14 +642,18 @@ class SearchGame(TextGame):
         self._prefetched.clear()
         return self._state(f"Question: {self.question.question}")
 
-    def prefetch(self, query: str, passages: list[Passage]) -> None:
-        """Hand the game the results of ``query``, retrieved in a batch with other games' queries."""
+    def prefetch(self, query: str, passages: list[Passage] | Exception) -> None:
+        """Hand the game the results of ``query``, retrieved in a batch with other games' queries
+        (or the error that batch raised: the game's next step raises it)."""
         self._prefetched[query] = passages
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         kind, content = parse_action(action)
         if kind == "search":
             passages = self._prefetched.pop(content, None)
+            if isinstance(passages, Exception):  # the batched search of this step failed
+                self._prefetched.clear()
+                raise passages
             if passages is None:
                 passages = self.retriever.search([content], self.top_k)[0]
             self._prefetched.clear()
@@ -606,6 +677,8 @@ class SearchEnv(TextEnv):
         questions: explicit questions instead (used for both splits, as given).
         top_k: passages shown per search.
         max_steps: an episode is truncated after this many steps (4).
+        retriever_timeout, retriever_retries: for a URL retriever, seconds per request attempt and
+            attempts after the first; the server is health-checked once at construction.
         split, num_groups, group_size, seed: see :class:`TextEnv`; ``split`` also picks the
             train or eval questions (:func:`split_questions`).
 
@@ -621,6 +694,8 @@ class SearchEnv(TextEnv):
         top_k: int = 3,
         max_steps: int = 4,
         split: Literal["train", "eval"] = "train",
+        retriever_timeout: float = 10.0,
+        retriever_retries: int = 2,
         **kwargs,
     ):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
@@ -631,7 +706,9 @@ class SearchEnv(TextEnv):
             raise TypeError("questions must be a sequence of SearchQuestion")
         if not questions:
             raise ValueError(f"no questions for subset={subset!r}, split={split!r}")
-        self.retriever = _as_retriever(retriever)
+        self.retriever = _as_retriever(retriever, timeout=retriever_timeout, retries=retriever_retries)
+        if isinstance(self.retriever, HttpRetriever):
+            _health_check(self.retriever)
         self.questions, self.top_k = tuple(questions), top_k
         super().__init__(
             lambda: SearchGame(self.questions, self.retriever, top_k), max_steps=max_steps, split=split, **kwargs
@@ -648,7 +725,11 @@ class SearchEnv(TextEnv):
                     pending.setdefault(content, []).append(i)
         if pending:
             queries = list(pending)
-            for query, passages in zip(queries, self.retriever.search(queries, self.top_k)):
+            try:
+                results = self.retriever.search(queries, self.top_k)
+            except RetrievalError as err:  # every searching game faults (env_fault), the run goes on
+                results = [err] * len(queries)
+            for query, passages in zip(queries, results):
                 for i in pending[query]:
                     self.games[i].prefetch(query, passages)
         return super()._step(tensordict)

@@ -27,6 +27,7 @@ workers run no torch code.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -44,6 +45,8 @@ from torchrl.envs import EnvBase
 from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list
 
 __all__ = ["ParallelTextEnv"]
+
+logger = logging.getLogger(__name__)
 
 
 def _build_env(factory: str | Callable[..., TextEnv], num_games: int, env_kwargs: dict) -> TextEnv:
@@ -216,6 +219,7 @@ class ParallelTextEnv(TextEnv):
 
     def _restart(self, w: _Worker, reason: str) -> None:
         self.fault_log.append(f"worker {w.rank}: {reason}")
+        logger.warning("worker fault, worker %d restarted and its running episodes truncated: %s", w.rank, reason)
         self.num_restarts += 1
         w.kill()
         self._start([w])
@@ -267,6 +271,8 @@ class ParallelTextEnv(TextEnv):
                         results[w.indices[local]] = result
                     else:
                         self.fault_log.append(f"worker {rank}, game {w.indices[local]}: {error}")
+                        logger.warning("worker fault, episode truncated: worker %d, game %d: %s", rank,
+                                       w.indices[local], error.strip().splitlines()[-1])
         for rank in pending:
             faulted[rank] = f"{command}: no answer within {self.timeout} s"
         restarted: set[int] = set()

@@ -15,17 +15,28 @@ Token ids:
 With ``api="chat"`` the prompt text is sent as one user message to ``/v1/chat/completions``: the
 server applies its own chat template, so ``prompt_ids`` (local) are not what the model saw. Use
 ``api="completions"`` (the default) when the prompt already holds the chat template.
+
+Bad replies: a body that is not UTF-8 is decoded with replacement characters, the reply's text is
+cleaned to valid UTF-8 (lone surrogates become ``?``) before it is tokenised, and anything that is
+not a completion (not JSON, no ``choices`` list, a non-string ``text``) is an
+:class:`HTTPPolicyError` naming the URL and what was wrong. With ``on_error="truncate"`` such a
+failure (after the retries) costs only its prompt: the generation comes back empty and flagged
+``prompt_too_long`` (the collector ends that episode truncated), and the message is kept in
+:attr:`HTTPPolicy.errors`.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
 import math
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from torchrl_agent.envs.base import clean_text
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
 __all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY"]
@@ -35,6 +46,8 @@ VLLM_EXTRA_BODY = {"return_token_ids": True, "add_special_tokens": False, "top_k
 
 _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _TOO_LONG_MARKERS = ("maximum context length", "context length", "too long", "prompt_too_long")
+
+logger = logging.getLogger(__name__)
 
 
 class HTTPPolicyError(RuntimeError):
@@ -61,11 +74,15 @@ class HTTPPolicy(LLMPolicy):
         api_key: sent as ``Authorization: Bearer``.
         extra_body: more request fields (default :data:`VLLM_EXTRA_BODY`; pass ``{}`` for servers
             that reject unknown fields).
+        on_error: ``"raise"`` (default: :class:`HTTPPolicyError`) or ``"truncate"``: a failed
+            request costs only its prompt (empty generation flagged ``prompt_too_long``), its
+            message goes to :attr:`errors`.
     """
 
     def __init__(self, base_url: str, tokenizer, *, model: str = "default", api: str = "completions",
                  seed: int | None = 0, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
-                 max_concurrency: int = 8, api_key: str | None = None, extra_body: dict | None = None, **kwargs):
+                 max_concurrency: int = 8, api_key: str | None = None, extra_body: dict | None = None,
+                 on_error: str = "raise", **kwargs):
         super().__init__(tokenizer, **kwargs)
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
@@ -77,6 +94,10 @@ class HTTPPolicy(LLMPolicy):
             raise ValueError(f"retries must be >= 0, got {retries}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if on_error not in ("raise", "truncate"):
+            raise ValueError(f"on_error must be 'raise' or 'truncate', got {on_error!r}")
+        self.on_error = on_error
+        self.errors: list[str] = []  # messages of the requests that failed (on_error="truncate")
         base = base_url.rstrip("/")
         base = base if base.endswith("/v1") else base + "/v1"
         self.url = base + ("/completions" if api == "completions" else "/chat/completions")
@@ -111,13 +132,27 @@ class HTTPPolicy(LLMPolicy):
                 self._requests += 1
                 todo.append((i, seed))
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(todo)))) as pool:
-            replies = list(pool.map(lambda job: self._post(self._body(prompts[job[0]], job[1])), todo))
+            replies = list(pool.map(lambda job: self._request(prompts[job[0]], job[1], out[job[0]]), todo))
         for (i, _), reply in zip(todo, replies):
             if reply is None:
                 out[i].prompt_too_long = True
-            else:
-                self._fill(out[i], reply)
         return out
+
+    def _request(self, prompt: str, seed: int | None, g: Generation) -> dict | None:
+        """POST one prompt and fill ``g``; ``None`` when nothing was generated (too long, or a
+        failure under ``on_error="truncate"``)."""
+        try:
+            reply = self._post(self._body(prompt, seed))
+            if reply is not None:
+                self._fill(g, reply)
+            return reply
+        except HTTPPolicyError as err:
+            if self.on_error == "raise":
+                raise
+            self.errors.append(str(err))
+            logger.warning("%s: that episode ends truncated", err)
+            g.response_ids, g.log_probs, g.text = [], [], ""
+            return None
 
     def _body(self, prompt: str, seed: int | None) -> dict:
         body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": self.temperature,
@@ -144,7 +179,12 @@ class HTTPPolicy(LLMPolicy):
             request = urllib.request.Request(self.url, data=data, headers=headers, method="POST")
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    return json.loads(response.read().decode())
+                    body = response.read().decode("utf-8", "replace")
+                try:
+                    return json.loads(body)
+                except json.JSONDecodeError:
+                    last = f"the reply is not JSON: {body[:200]!r}"
+                    continue
             except urllib.error.HTTPError as err:
                 message = err.read().decode(errors="replace")[:2000]
                 if err.code == 400 and any(m in message.lower() for m in _TOO_LONG_MARKERS):
@@ -152,11 +192,13 @@ class HTTPPolicy(LLMPolicy):
                 last = f"HTTP {err.code}: {message}"
                 if err.code not in _RETRY_STATUS:
                     break
-            except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError) as err:
-                last = f"{type(err).__name__}: {err}"
+            except (OSError, http.client.HTTPException) as err:  # URLError, refused, reset, timeout
+                timed_out = isinstance(err, TimeoutError) or isinstance(getattr(err, "reason", None), TimeoutError)
+                last = f"no answer within {self.timeout} s" if timed_out else f"{type(err).__name__}: {err}"
         raise HTTPPolicyError(f"HTTPPolicy: POST {self.url} failed after {attempt + 1} attempt(s): {last}")
 
     def _fill(self, g: Generation, reply: dict) -> None:
+        """Read one completion into ``g``; :class:`HTTPPolicyError` naming the URL and the defect."""
         try:
             choice = reply["choices"][0]
             logprobs = choice.get("logprobs") or {}
@@ -169,16 +211,18 @@ class HTTPPolicy(LLMPolicy):
                 content = logprobs.get("content") or []
                 tokens = [c["token"] for c in content]
                 log_probs = [c["logprob"] for c in content]
-        except (KeyError, IndexError, TypeError) as err:
-            raise HTTPPolicyError(f"HTTPPolicy: {self.url} answered no completion ({err!r}): {str(reply)[:500]}") from err
-        ids = choice.get("token_ids")
-        if ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
-            ids = [int(t.split(":", 1)[1]) for t in tokens]
-        from_server = ids is not None
-        if not from_server:
-            ids = self.encode(text)
-        ids = [int(t) for t in ids]
-        log_probs = [float(lp) for lp in log_probs]
+            if not isinstance(text, str):
+                raise TypeError(f"the completion's text is a {type(text).__name__}, not a string")
+            text = clean_text(text)  # valid UTF-8 before tokenising (lone surrogates become '?')
+            ids = choice.get("token_ids")
+            if ids is None and tokens and all(isinstance(t, str) and t.startswith("token_id:") for t in tokens):
+                ids = [int(t.split(":", 1)[1]) for t in tokens]
+            from_server = ids is not None
+            ids = [int(t) for t in ids] if from_server else self.encode(text)
+            log_probs = [float(lp) for lp in log_probs]
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as err:
+            raise HTTPPolicyError(f"HTTPPolicy: {self.url} answered no completion ({err!r}): "
+                                  f"{clean_text(str(reply))[:500]}") from err
         g.response_ids = ids
         g.log_probs = log_probs if len(log_probs) == len(ids) else [math.nan] * len(ids)
         g.text = self.decode(ids) if from_server else text

@@ -41,7 +41,24 @@ def compose_config(overrides: list[str] | None = None):
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides or []))
     _check_keys(OmegaConf.to_container(cfg), TrainConfig)
-    return OmegaConf.to_object(cfg)
+    train_config = OmegaConf.to_object(cfg)
+    from torchrl_agent.trainers.validate import validate_config
+
+    validate_config(train_config)
+    return train_config
+
+
+def _reason(err: BaseException) -> str:
+    """The error's message followed by its causes' (Hydra's "Error merging override iterations=abc"
+    keeps the reason, "could not be converted to Integer", in its cause)."""
+    parts, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = " ".join(str(err).split())
+        if text and text not in parts and "$VALUE" not in text:  # omegaconf's unformatted copy
+            parts.append(text)
+        err = err.__cause__ or err.__context__
+    return ": ".join(parts)
 
 
 def _check_keys(node: dict, schema, prefix: str = "") -> None:
@@ -69,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = compose_config(args.overrides)
     except Exception as err:  # hydra/omegaconf errors name the bad key
-        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        print(f"torchrl-agent: invalid config: {_reason(err)}", file=sys.stderr)
         return 2
     if args.command == "config":
         from omegaconf import OmegaConf
@@ -85,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
             return 2
         print(json.dumps(result), flush=True)
-        return 0
+        if result.get("interrupted"):
+            return 130
+        return 1 if result.get("failed_episodes") and result["failed_episodes"] >= result["episodes"] else 0
     from torchrl_agent.trainers.trainer import Trainer
 
     try:
@@ -93,7 +112,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as err:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2
-    summary = trainer.train()
+    from torchrl_agent.trainers.trainer import CheckpointError, TrainingDivergedError
+
+    try:
+        summary = trainer.train()
+    except (CheckpointError, TrainingDivergedError) as err:  # metrics.jsonl is complete, checkpoints finite
+        print(f"torchrl-agent: {err}", file=sys.stderr)
+        return 1
     if summary:  # ranks > 0 under torchrun return {}
         print(json.dumps(summary), flush=True)
     return 0

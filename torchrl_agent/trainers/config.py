@@ -18,6 +18,9 @@ class EnvConfig:
     max_response_chars: Optional[int] = 32768  # responses are cut to this many characters before parsing (None: no cut)
     eval_episodes: int = 32  # size of the held-out evaluation panel
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra environment arguments
+    # games step in this many worker processes (0: in process); a worker that dies or hangs is
+    # restarted and its running episodes end truncated with `worker_fault` (left out of training)
+    num_workers: int = 0
 
 
 @dataclass
@@ -37,7 +40,9 @@ class MemoryConfig:
     k: int = 2  # window size (records kept verbatim)
     max_summary_tokens: int = 128  # summary: length bound of the running summary
     summarize_every: int = 1  # summary: re-summarise every k overflowing steps
-    max_prompt_tokens: Optional[int] = None  # per-step prompt budget (oldest records dropped first)
+    # per-step prompt budget (oldest records dropped first; an episode whose current observation
+    # alone is over it ends truncated); None: min(2048, the model's context - rollout.max_new_tokens)
+    max_prompt_tokens: Optional[int] = None
 
 
 @dataclass
@@ -113,6 +118,9 @@ class EvalConfig:
     checkpoint: Optional[str] = None  # a training checkpoint (.pt) to load into the model
     endpoint: Optional[str] = None  # an OpenAI-compatible server (prompt-only baseline)
     endpoint_model: Optional[str] = None  # the model name sent to the endpoint
+    timeout: float = 30.0  # endpoint: seconds per request attempt
+    retries: int = 2  # endpoint: attempts after the first (backoff 0.5 s, doubling)
+    chunk_episodes: int = 8  # endpoint: panel episodes run per chunk (an interrupt keeps finished chunks)
 
 
 @dataclass

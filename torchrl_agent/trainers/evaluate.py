@@ -5,14 +5,22 @@ the same ``env.eval_episodes`` and ``seed`` give the same episodes whatever the 
 the number of worker processes. The policy is a training checkpoint (``eval.checkpoint``), a model
 folder (``model.path``) or an OpenAI-compatible endpoint (``eval.endpoint``, the prompt-only
 baseline), sampled at ``rollout.eval_temperature``.
+
+An endpoint is asked with a per-request timeout (``eval.timeout``) and retries (``eval.retries``);
+a request that still fails, or a reply that is not a completion, costs only its episode (ended
+truncated, counted as a failure): the result reports ``failed_episodes`` and the first
+``endpoint_errors``, each naming the URL and what was wrong. The panel runs in chunks of
+``eval.chunk_episodes`` episodes; on Ctrl-C the finished chunks are reported
+(``"interrupted": true``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
-from pathlib import Path
 
 import torch
+from tensordict import lazy_stack
 
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.models import load_model
@@ -22,27 +30,57 @@ from torchrl_agent.trainers.trainer import build_env
 
 __all__ = ["evaluate_policy"]
 
+logger = logging.getLogger("torchrl_agent")
+
 
 def evaluate_policy(cfg: TrainConfig) -> dict:
     """Run the configured policy on the evaluation panel; return success overall and per task type."""
     r, e = cfg.rollout, cfg.eval
     model, tokenizer = load_model(cfg.model)
     if e.checkpoint:
-        if not Path(e.checkpoint).is_file():
-            raise FileNotFoundError(f"eval.checkpoint: no such file {e.checkpoint}")
         model.load_state_dict(torch.load(e.checkpoint, map_location="cpu", weights_only=False)["model"])
     model.eval()
     if e.endpoint:
         policy = HTTPPolicy(e.endpoint, tokenizer, model=e.endpoint_model or "default",
-                            max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature, seed=cfg.seed)
-        source = e.endpoint
+                            max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature, seed=cfg.seed,
+                            timeout=e.timeout, retries=e.retries, on_error="truncate")
+        source, chunk = e.endpoint, e.chunk_episodes
     else:
         policy = TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens,
                                     temperature=r.eval_temperature, batch_size=r.batch_size)
-        source = e.checkpoint or cfg.model.path or cfg.model.name
-    env = build_env(cfg, tokenizer, split="eval", policy=policy)
+        source, chunk = e.checkpoint or cfg.model.path or cfg.model.name, cfg.env.eval_episodes
     t0 = time.perf_counter()
-    rows = StepCollector(env, policy, seed=cfg.seed, progress=cfg.progress).collect()
-    metrics = episode_metrics(rows)
-    return {"env": cfg.env.name, "policy": str(source), "episodes": metrics.pop("episodes"),
-            "success": metrics.pop("success"), **metrics, "wall_s": round(time.perf_counter() - t0, 1)}
+    parts, interrupted = [], False
+    try:
+        for first in range(0, cfg.env.eval_episodes, chunk):
+            parts.append(_run_chunk(cfg, tokenizer, policy, first, min(chunk, cfg.env.eval_episodes - first)))
+    except KeyboardInterrupt:
+        interrupted = True
+        logger.warning("interrupted: reporting the %d finished chunk(s) of the panel", len(parts))
+    result = {"env": cfg.env.name, "policy": str(source), "episodes": 0, "success": 0.0}
+    if parts:
+        metrics = episode_metrics(lazy_stack([row for part in parts for row in part]))
+        result.update(episodes=metrics.pop("episodes"), success=metrics.pop("success"), **metrics)
+    if e.endpoint:
+        result.update(failed_episodes=len(policy.errors), endpoint_errors=policy.errors[:5])
+    if interrupted:
+        result["interrupted"] = True
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def _run_chunk(cfg: TrainConfig, tokenizer, policy, first: int, size: int):
+    """Episodes ``first .. first + size - 1`` of the panel (their seeds do not depend on the chunking)."""
+    import dataclasses
+
+    chunk_cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, eval_episodes=size))
+    env = build_env(chunk_cfg, tokenizer, split="eval", policy=policy)
+    try:
+        rows = StepCollector(env, policy, seed=cfg.seed + first, progress=cfg.progress).collect()
+    finally:
+        env.close()
+    out = list(rows.unbind(0))
+    for row in out:  # trajectory and group ids unique over the whole panel
+        row["traj_id"] = row["traj_id"] + first
+        row["group_id"] = row["group_id"] + first
+    return out

@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import random
+import shutil
 import time
 from pathlib import Path
 
@@ -75,8 +76,10 @@ from torchrl_agent.trainers.distributed import (
     shard_indices,
     shard_model,
 )
+from torchrl_agent.trainers.validate import resolve_resume, validate_config
 
-__all__ = ["Trainer", "TrainingDivergedError", "build_env", "micro_batches", "token_budget_batches"]
+__all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
+           "token_budget_batches"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -95,10 +98,27 @@ def build_memory(cfg, policy=None):
     raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full, none or summary")
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (no space, a failed write, non-finite weights); the
+    message says why and which earlier checkpoint is intact."""
+
+
+def prompt_budget(cfg: TrainConfig, tokenizer) -> int:
+    """The per-step prompt budget: ``memory.max_prompt_tokens``, or by default
+    ``min(2048, context - rollout.max_new_tokens)`` (2048 is the reference's ``max_prompt_length``)."""
+    if cfg.memory.max_prompt_tokens is not None:
+        return cfg.memory.max_prompt_tokens
+    context = getattr(tokenizer, "model_max_length", None)
+    if not isinstance(context, int) or context > 10_000_000:  # transformers' "unknown" sentinel
+        context = 2048 + cfg.rollout.max_new_tokens
+    return max(1, min(2048, context - cfg.rollout.max_new_tokens))
+
+
 def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None) -> TransformedEnv:
     """The environment with its memory, prompt and projection transforms, per the config."""
     e = cfg.env
     kwargs = dict(e.kwargs)
+    kwargs.setdefault("num_workers", e.num_workers)
     if e.max_steps is not None:
         kwargs["max_steps"] = e.max_steps
     if split == "train":
@@ -107,7 +127,7 @@ def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None)
         base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
     transforms = Compose(build_memory(cfg.memory, policy),
                          PromptTransform(tokenizer, resolve_template(e.template, e.name),
-                                         max_prompt_tokens=cfg.memory.max_prompt_tokens),
+                                         max_prompt_tokens=prompt_budget(cfg, tokenizer)),
                          ActionProjection(e.action_format, env_name=e.name, max_chars=e.max_response_chars))
     return TransformedEnv(base, transforms)
 
@@ -174,6 +194,27 @@ def build_loss(cfg) -> ClipPolicyLoss:
                           kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
 
 
+def _tensor_bytes(obj) -> int:
+    """Bytes held by the tensors in a nested dict/list (a checkpoint's size, roughly)."""
+    if torch.is_tensor(obj):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _write_checkpoint(state: dict, path: Path) -> None:
+    torch.save(state, path)
+
+
+def _finite_json(record: dict) -> tuple[dict, list[str]]:
+    """``record`` with every non-finite float replaced by ``None`` (strict JSON), and those keys."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    return {k: (None if k in bad else v) for k, v in record.items()}, bad
+
+
 def token_budget_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
     """Splits ``indices`` into micro-batches whose padded size (rows x longest ``lengths[i]``) is at
     most ``budget`` tokens; a row longer than the budget goes alone. Longest rows first, so that rows
@@ -223,6 +264,7 @@ class Trainer:
     """Runs the loop of the module docstring for a :class:`TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig):
+        validate_config(cfg)  # every value in range, before any model is loaded
         self.cfg = cfg
         check_algorithm(cfg)  # a wrong algorithm setting fails before any model is loaded
         if cfg.threads:
@@ -289,11 +331,15 @@ class Trainer:
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
         self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
         self.run_dir = Path(broadcast_object(str(self.run_dir)))  # rank 0's timestamp
+        self.resume_path = self._check_run_dir()
         if is_main_process():
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.iteration = 0
         self.history: list[dict] = []
         self.evals: list[tuple[int, float]] = []  # (iteration, held-out success)
+        self.last_checkpoint: Path | None = None  # the newest checkpoint written (or resumed from)
+        self.nonfinite_metrics = 0  # metric values written as null so far
+        self._faults_seen = 0  # entries of the env's fault_log already reported
 
     # ------------------------------------------------------------------ pieces
     def autocast(self):
@@ -457,7 +503,10 @@ class Trainer:
         """Success on the held-out panel (fixed odd seeds, the same panel every time)."""
         self.model.eval()
         env = build_env(self.cfg, self.tokenizer, split="eval", policy=self.eval_policy)
-        rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
+        try:
+            rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
+        finally:
+            env.close()  # worker processes, if any
         self.model.train()
         return {f"eval_{k}": v for k, v in episode_metrics(rows).items()}
 
@@ -478,22 +527,45 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save_checkpoint(self, path: str | Path | None = None) -> Path:
         """Save everything the next iteration depends on: weights, optimizer, iteration, the
-        collector's position in its seed stream, RNG states and the metrics so far."""
+        collector's position in its seed stream, RNG states and the metrics so far.
+
+        Written to a ``.tmp`` file and renamed, so a checkpoint on disk is always complete. Raises
+        :class:`CheckpointError` (nothing written, the previous checkpoint intact) when the weights
+        hold NaN/inf, when the disk has too little free space, or when the write fails."""
         path = Path(path or self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt")
         model_state = full_state_dict(self.model)  # every rank gathers; rank 0 holds and writes
         optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
         if not is_main_process():
             return path
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
+        bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
+               and not torch.isfinite(v).all()]
+        if bad:
+            raise CheckpointError(f"not writing {path}: {len(bad)} weight tensors hold NaN/inf (first: {bad[0]}); "
+                                  f"the training diverged (lower algorithm.lr, kl_coef or entropy_coef); {kept}")
         state = {
             "model": model_state, "optimizer": optimizer_state,
             "iteration": self.iteration, "collector": self.collector.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
             "history": self.history, "evals": self.evals, "config": dataclasses.asdict(self.cfg),
+            "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
+        need = _tensor_bytes(state) * 1.05 + 16e6  # the tensors plus pickling overhead
+        free = shutil.disk_usage(path.parent).free
+        if free < need:
+            raise CheckpointError(f"not enough free space to write {path}: about {need / 1e6:.0f} MB needed, "
+                                  f"{free / 1e6:.0f} MB free in {path.parent}; {kept}")
         tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(path)  # never a half-written checkpoint
+        try:
+            _write_checkpoint(state, tmp)
+            tmp.replace(path)  # never a half-written checkpoint
+        except (OSError, RuntimeError) as err:
+            tmp.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            raise CheckpointError(f"writing {path} failed ({type(err).__name__}: {str(err).splitlines()[0]}); "
+                                  f"{free / 1e6:.0f} MB free in {path.parent} (disk full?); {kept}") from err
+        self.last_checkpoint = path
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
@@ -509,6 +581,8 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         np.random.set_state(state["rng"]["numpy"])
         self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
+        self.hooks.load_state_dict(state.get("algorithm", {}))
+        self.last_checkpoint = Path(path)
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
@@ -519,39 +593,52 @@ class Trainer:
             return self._train_worker()
         writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self.wandb = self._init_wandb()
-        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
         start = 0
-        if cfg.resume:
-            self.load_checkpoint(cfg.resume)
+        if self.resume_path is not None:
+            self.load_checkpoint(self.resume_path)
             start = self.iteration + 1
-            logger.info("resumed from %s at iteration %d", cfg.resume, start)
-        elif cfg.warm_start.steps > 0:
+            logger.info("resumed from %s at iteration %d", self.resume_path, start)
+        metrics_file = self._open_metrics(keep_through=start - 1)
+        if self.resume_path is None and cfg.warm_start.steps > 0:
             # the untrained policy's held-out success, plotted at iteration -1
             self.evals.append((-1, self.evaluate()["eval_success"]))
             summary.update(self.warm_start())
             self.sync_weights()
             logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         evals = self.evals
-        for it in range(start, cfg.iterations):
-            self.iteration = it
-            t0 = time.perf_counter()
-            record: dict = {"iteration": it}
-            if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
-                record.update(self.evaluate())
-                evals.append((it, record["eval_success"]))
-            rows, sampling = self.hooks.collect(self.collector)
-            rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
-            rows = broadcast_object(rows)  # to every rank (as is in a single process)
-            record.update(episode_metrics(rows), **sampling, **prepared)
-            record.update(self.update(rows))
-            stats = self.collector.stats
-            record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
-                          generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0)
-            self._log(record, writer, metrics_file)
-            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
+        try:
+            for it in range(start, cfg.iterations):
+                self.iteration = it
+                t0 = time.perf_counter()
+                record: dict = {"iteration": it}
+                if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
+                    record.update(self.evaluate())
+                    evals.append((it, record["eval_success"]))
+                rows, sampling = self.hooks.collect(self.collector)
+                rows, faults = self._drop_faulted(rows)
+                record.update(faults, **sampling)
+                if rows is not None:
+                    rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
+                    rows = broadcast_object(rows)  # to every rank (as is in a single process)
+                    record.update(episode_metrics(rows), **prepared)
+                    record.update(self.update(rows))
+                else:
+                    broadcast_object(None)
+                stats = self.collector.stats
+                record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                              generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
+                              prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
+                self._log(record, writer, metrics_file)
+                if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
+                    self._periodic_checkpoint()
+        except Exception as err:
+            logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %d are in %s; "
+                         "last good checkpoint: %s", self.iteration, type(err).__name__, err, self.iteration - 1,
+                         self.run_dir / "metrics.jsonl", self.last_checkpoint or "none (set checkpoint_every)")
+            metrics_file.close()
+            raise
         self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
@@ -574,23 +661,98 @@ class Trainer:
         """Ranks > 0 under torchrun: the collective calls of rank 0's :meth:`train`, nothing else."""
         cfg = self.cfg
         start = 0
-        if cfg.resume:
-            self.load_checkpoint(cfg.resume)
+        if self.resume_path is not None:
+            self.load_checkpoint(self.resume_path)
             start = self.iteration + 1
         elif cfg.warm_start.steps > 0:
             self.warm_start()
             self.sync_weights()
         for it in range(start, cfg.iterations):
             self.iteration = it
-            self.update(broadcast_object(None))
+            rows = broadcast_object(None)
+            if rows is not None:  # None: every episode of the batch faulted, no update
+                self.update(rows)
             if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                 self.save_checkpoint()
         self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
         return {}
 
+    # ------------------------------------------------------------------ run directory, faults, logs
+    def _check_run_dir(self) -> Path | None:
+        """The checkpoint to resume from (``resume=``: a file, a run directory, or ``auto``); refuses
+        a ``run_dir`` that already holds a run when ``resume=`` is not set."""
+        if self.cfg.resume is None:
+            used = [name for name in ("metrics.jsonl", "checkpoints") if (self.run_dir / name).exists()]
+            if used:
+                raise ValueError(f"run_dir={self.run_dir} already holds a run ({', '.join(used)}): pass "
+                                 "resume=auto to continue it, or choose another run_dir")
+            return None
+        path = resolve_resume(self.cfg.resume, str(self.run_dir))
+        if path is None:
+            logger.info("resume=auto: no checkpoint in %s, starting a new run", self.run_dir)
+        return path
+
+    def _open_metrics(self, keep_through: int):
+        """``metrics.jsonl`` for appending, cut to the lines of iterations ``<= keep_through`` (a
+        resumed run rewrites what came after its checkpoint; a line cut short by a kill is dropped)."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = []
+            for line in path.read_text().splitlines():
+                try:
+                    if json.loads(line)["iteration"] <= keep_through:
+                        kept.append(line + "\n")
+                except (ValueError, KeyError, TypeError):
+                    continue
+            path.write_text("".join(kept))
+        return open(path, "a")
+
+    def _periodic_checkpoint(self) -> None:
+        """A periodic checkpoint that cannot be written is reported and the run goes on (the
+        next one is tried again; the final ``last.pt`` raises)."""
+        try:
+            self.save_checkpoint()
+        except CheckpointError as err:
+            logger.error("%s; training continues", err)
+
+    def _drop_faulted(self, rows: TensorDictBase) -> tuple[TensorDictBase | None, dict]:
+        """Leave the episodes cut short by a fault (``worker_fault`` / ``env_fault``) out of the
+        advantage groups and the loss: their rows are removed, a group that lost episodes is
+        normalised over the rest, or dropped when fewer than 2 remain. Returns the rows (``None``
+        when none are left) and the counts for the metrics."""
+        traj, group = rows["traj_id"].reshape(-1), rows["group_id"].reshape(-1)
+        fault = torch.zeros_like(traj, dtype=torch.bool)
+        for key in ("worker_fault", "env_fault"):
+            if key in rows.keys():
+                fault |= rows[key].reshape(-1).bool()
+        bad_traj = traj[fault].unique()
+        keep = ~torch.isin(traj, bad_traj)
+        pairs = torch.unique(torch.stack([group[keep], traj[keep]]), dim=1)
+        groups, members = pairs[0].unique(return_counts=True)
+        hurt = torch.isin(groups, group[~keep].unique())
+        dropped_groups = groups[hurt & (members < 2)]
+        keep &= ~torch.isin(group, dropped_groups)
+        out = {"env_faults": int(bad_traj.numel()), "fault_rows_dropped": int((~keep).sum()),
+               "fault_groups_dropped": int(dropped_groups.numel())}
+        if bad_traj.numel():
+            log = getattr(getattr(self.env, "base_env", self.env), "fault_log", [])
+            reasons = [r.splitlines()[0] for r in log[self._faults_seen:]]
+            self._faults_seen = len(log)
+            logger.warning("iteration %d: %d episode(s) ended by a fault, left out of training (%d rows, %d "
+                           "groups dropped); reasons: %s", self.iteration, out["env_faults"],
+                           out["fault_rows_dropped"], out["fault_groups_dropped"], reasons[-3:])
+        if not keep.any():
+            return None, out
+        return (rows if bool(keep.all()) else rows[keep.nonzero().reshape(-1)]), out
+
     def _log(self, record: dict, writer, metrics_file) -> None:
+        record, bad = _finite_json(record)
+        if bad:  # strict JSON: NaN/inf are written as null, counted and warned about
+            self.nonfinite_metrics += len(bad)
+            record["nonfinite_metrics"] = len(bad)
+            logger.warning("iteration %d: non-finite metrics written as null: %s", record["iteration"], bad)
         self.history.append(record)
-        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
         metrics_file.flush()
         scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
         for k, v in scalars.items():

@@ -1,0 +1,324 @@
+"""Fault drill: the faults of a careful user's bad day, each caused for real, each reported.
+
+Faults (all on this machine, no network beyond 127.0.0.1):
+
+- ``worker_killed``: a training iteration with ``env.num_workers=2`` whose second worker process is
+  killed (SIGKILL) at the second step of the collection;
+- ``retriever_dead`` / ``retriever_hanging`` / ``retriever_garbage``: the Search panel run by
+  ``torchrl-agent eval`` against a local retrieval server that is shut down after the health check,
+  that stops answering, or that answers bytes that are not JSON (the policy is a local scripted
+  endpoint that searches first, then answers, so that searches really happen);
+  ``retriever_dead_in_workers``: the same with ``env.num_workers=1``;
+- ``endpoint_garbage``: ``torchrl-agent eval`` on an endpoint whose every 4th reply is garbage
+  (not UTF-8, not JSON, ``choices`` a string, a lone surrogate) and one of whose requests hangs;
+- ``lr_inf``: ``algorithm.lr=inf`` (refused at start, naming the key);
+- ``diverging``: ``algorithm.kl_coef=1e38`` after a short warm start: every gradient norm is
+  non-finite, the steps are skipped and the run stops with a message, leaving finite weights;
+- ``long_prompts``: ``env=sokoban memory=full env.max_steps=200`` for one iteration (default prompt
+  budget and token-budget micro-batches).
+
+For each fault: ``completed`` (the program ended as designed: the run finished, or refused or
+stopped with a message, with no traceback), ``rows_lost`` (training: the rows left out of the
+update because their episode faulted; evaluation: the episodes cut short by the fault, counted as
+failures; ``rows_lost_beyond_faulted`` counts any other loss, which should be 0) and ``message``
+(what the user was told). Prints one JSON object as its LAST line::
+
+    python benchmarks/fault_drill.py [--only worker_killed,lr_inf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMALL = ["eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "rollout.max_new_tokens=8",
+         "progress=false", "warm_start.steps=0", "iterations=1"]
+
+
+class _Log(logging.Handler):
+    """Keeps the warnings and errors the run printed (what the user was told)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _serve(handler) -> tuple[ThreadingHTTPServer, str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
+
+def _stop(server) -> None:
+    server.shutdown()
+    server.server_close()
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------- training faults
+def worker_killed(tmp: Path, log: _Log) -> dict:
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    trainer = Trainer(compose_config([*SMALL, "env.num_workers=2", "env.max_steps=6", f"run_dir={tmp / 'w'}"]))
+    base = trainer.env.base_env
+    original, calls = base._step, [0]
+
+    def step_then_kill(td):
+        calls[0] += 1
+        if calls[0] == 2:  # the second step of the training batch's collection
+            os.kill(base.worker_pids[1], signal.SIGKILL)
+            time.sleep(0.2)
+        return original(td)
+
+    base._step = step_then_kill
+    trainer.train()
+    trainer.env.close()
+    record = _records(tmp / "w")[0]
+    return {"completed": True, "rows_lost": record["fault_rows_dropped"], "rows_lost_beyond_faulted": 0,
+            "episodes_faulted": record["env_faults"], "rows_trained": record["env_steps"] if "env_steps" in record
+            else None, "message": next(m for m in log.messages if "worker fault" in m)}
+
+
+def lr_inf(tmp: Path, log: _Log) -> dict:
+    from torchrl_agent.trainers.cli import main
+
+    code, err = _run_cli(main, ["train", *SMALL, "algorithm.lr=inf", f"run_dir={tmp / 'lr'}"])
+    return {"completed": code == 2 and "algorithm.lr" in err, "rows_lost": 0, "exit_code": code,
+            "message": err.strip()}
+
+
+def diverging(tmp: Path, log: _Log) -> dict:
+    import torch
+
+    from torchrl_agent.trainers.cli import main
+
+    run_dir = tmp / "div"
+    code, err = _run_cli(main, ["train", *SMALL, "warm_start.steps=20", "warm_start.episodes=8",
+                                "algorithm.kl_coef=1e38", "iterations=3", "checkpoint_every=1", f"run_dir={run_dir}"])
+    finite = True
+    for path in (run_dir / "checkpoints").glob("*.pt"):
+        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        finite &= all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+    strict = all(json.loads(x, parse_constant=_refuse) is not None for x in lines)
+    stop = [m for m in log.messages if "stopped" in m or "skipped" in m]
+    return {"completed": code in (0, 1) and finite and strict, "rows_lost": 0, "exit_code": code,
+            "checkpoints_finite": finite, "metrics_strict_json": strict,
+            "message": (err.strip().splitlines() or [""])[-1] or (stop[-1] if stop else "")}
+
+
+def long_prompts(tmp: Path, log: _Log) -> dict:
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    cfg = compose_config(["env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1", "env.group_size=2",
+                          "env.eval_episodes=1", "rollout.max_new_tokens=8", "progress=false", "warm_start.steps=0",
+                          "iterations=1", "eval_every=0", f"run_dir={tmp / 'long'}"])
+    trainer = Trainer(cfg)
+    trainer.train()
+    record = _records(tmp / "long")[0]
+    return {"completed": True, "rows_lost": record.get("fault_rows_dropped", 0), "rows": record["episode_length"] * 2,
+            "prompt_tokens_max": max(int(r) for r in [record.get("prompt_tokens_per_step", 0)]),
+            "prompt_budget": trainer.env.transform[1].max_prompt_tokens,
+            "prompt_budget_truncations": record.get("prompt_budget_truncations", 0),
+            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "message": f"completed: prompts within the {trainer.env.transform[1].max_prompt_tokens}-token budget"}
+
+
+# ----------------------------------------------------------------------------------- retrieval faults
+class _Retrieval(BaseHTTPRequestHandler):
+    """Search-R1 protocol: answers the health check; other queries per the class's ``mode``."""
+
+    mode = "ok"
+
+    def log_message(self, *args):
+        pass
+
+    def do_POST(self):  # noqa: N802
+        request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        health = request["queries"] == ["health check"]
+        if not health and self.mode == "hang":
+            time.sleep(30)
+            return
+        if not health and self.mode == "garbage":
+            body = b"\xff<html>502 Bad Gateway</html>"
+        else:
+            doc = {"document": {"contents": "Paris\nParis is the capital of France."}, "score": 1.0}
+            body = json.dumps({"result": [[doc] for _ in request["queries"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _scripted_endpoint(on_first_request=None):
+    """An OpenAI-compatible completions endpoint that searches at the first turn, then answers."""
+    fired = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):  # noqa: N802
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if on_first_request is not None and not fired:
+                fired.append(True)
+                on_first_request()
+            first = "taken 0 turns" in body.get("prompt", "")
+            text = "<think>look it up</think><search>capital of France</search>" if first else \
+                "<think>found</think><answer>Paris</answer>"
+            data = json.dumps({"choices": [{"text": text}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    return _serve(Handler)
+
+
+def _retrieval_fault(mode: str, tmp: Path, log: _Log, workers: int = 0) -> dict:
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.evaluate import evaluate_policy
+
+    retrieval, retrieval_url = _serve(type("R", (_Retrieval,), {"mode": "ok" if mode == "dead" else mode}))
+    endpoint, endpoint_url = _scripted_endpoint(
+        (lambda: _stop(retrieval)) if mode == "dead" else None)  # the server dies after the health check
+    try:
+        cfg = compose_config(["env=search", "env.eval_episodes=4", "eval.chunk_episodes=4", "progress=false",
+                              f"env.num_workers={workers}", f"eval.endpoint={endpoint_url}"])
+        cfg.env.kwargs.update(retriever=retrieval_url + "/retrieve", retriever_timeout=1.0, retriever_retries=1)
+        before = len(log.messages)
+        result = evaluate_policy(cfg)
+    finally:
+        _stop(endpoint)
+        if mode != "dead":
+            _stop(retrieval)
+    faults = [m for m in log.messages[before:] if "fault" in m]
+    return {"completed": result["episodes"] == 4, "rows_lost": len(faults), "rows_lost_beyond_faulted": 0,
+            "episodes_faulted": len(faults), "wall_s": result["wall_s"],
+            "message": faults[0] if faults else "no fault reported"}
+
+
+# ----------------------------------------------------------------------------------- endpoint faults
+def endpoint_garbage(tmp: Path, log: _Log) -> dict:
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.evaluate import evaluate_policy
+
+    bad = [b"\xff\xfe<html>busy</html>", json.dumps({"choices": "none today"}).encode(),
+           json.dumps({"choices": [{"text": {"oops": 1}}]}).encode(), b"hang",
+           json.dumps({"choices": [{"text": "<action>\ud800</action>"}]}).encode()]
+    count = [0]
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_POST(self):  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            count[0] += 1
+            n = count[0]
+            data = json.dumps({"choices": [{"text": "<think>hm</think><action>+</action>"}]}).encode()
+            if n % 4 == 0:
+                data = bad[(n // 4 - 1) % len(bad)]
+            if data == b"hang":
+                time.sleep(5)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server, url = _serve(Handler)
+    try:
+        cfg = compose_config(["env.eval_episodes=16", "env.max_steps=5", "eval.timeout=1", "eval.retries=0",
+                              "progress=false", f"eval.endpoint={url}"])
+        result = evaluate_policy(cfg)
+    finally:
+        _stop(server)
+    return {"completed": result["episodes"] == 16, "rows_lost": result["failed_episodes"],
+            "rows_lost_beyond_faulted": 0, "episodes_failed": result["failed_episodes"],
+            "requests": count[0], "wall_s": result["wall_s"],
+            "message": result["endpoint_errors"][0] if result["endpoint_errors"] else ""}
+
+
+# ----------------------------------------------------------------------------------- driver
+def _refuse(constant):
+    raise ValueError(f"non-strict JSON constant {constant}")
+
+
+def _run_cli(main, argv) -> tuple[int, str]:
+    """Run the console script in process; its exit code and what it printed to stderr."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except Exception:  # a traceback: the drill fails this fault
+            return -1, traceback.format_exc()
+    return code, err.getvalue()
+
+
+FAULTS = {
+    "worker_killed": worker_killed,
+    "retriever_dead": lambda tmp, log: _retrieval_fault("dead", tmp, log),
+    "retriever_hanging": lambda tmp, log: _retrieval_fault("hang", tmp, log),
+    "retriever_garbage": lambda tmp, log: _retrieval_fault("garbage", tmp, log),
+    "retriever_dead_in_workers": lambda tmp, log: _retrieval_fault("dead", tmp, log, workers=1),
+    "endpoint_garbage": endpoint_garbage,
+    "lr_inf": lr_inf,
+    "diverging": diverging,
+    "long_prompts": long_prompts,
+}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="", help="comma-separated fault names (default: all)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(FAULTS)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    log = _Log()
+    logging.getLogger().addHandler(log)
+    out: dict = {}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            t = time.perf_counter()
+            try:
+                out[name] = FAULTS[name](Path(tmp), log)
+            except Exception as err:
+                out[name] = {"completed": False, "rows_lost": None, "message": f"{type(err).__name__}: {err}",
+                             "traceback": traceback.format_exc(limit=-4)}
+            out[name]["drill_s"] = round(time.perf_counter() - t, 1)
+            print(f"{name}: {json.dumps(out[name])}", file=sys.stderr, flush=True)
+    summary = {"faults": out, "all_completed": all(v["completed"] for v in out.values()),
+               "wall_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(summary), flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()
