@@ -287,12 +287,12 @@ class Trainer:
     def sync_weights(self) -> None:
         """Hands the trained weights to the rollout engine (under torchrun every rank must call it)."""
         if not is_distributed():
-            self.policy.update_weights(self.model.state_dict())
+            self.collector.update_policy_weights_(self.model.state_dict())
             return
         state = full_state_dict(self.model)  # gathered on rank 0
         if is_main_process():
             self.rollout_model.load_state_dict(state)
-            self.policy.update_weights(state)
+            self.collector.update_policy_weights_(state)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
