@@ -235,14 +235,18 @@ class VLLMPolicy(LLMPolicy):
 
     def fill(self, g: Generation, result) -> Generation:
         """Copy a vLLM ``RequestOutput`` into ``g`` (response ids, log-probs, text, cached tokens)."""
+        g.response_ids, g.log_probs, g.cached_tokens = self.completion(result)
+        g.text = self.decode(g.response_ids)
+        return g
+
+    @staticmethod
+    def completion(result) -> tuple[list[int], list[float], int]:
+        """``(response ids, their sampling log-probs, prefix-cached prompt tokens)`` of a ``RequestOutput``."""
         completion = result.outputs[0]
         ids = list(completion.token_ids)
-        g.response_ids = ids
         # logprobs=0: each step's dict holds exactly the sampled token
-        g.log_probs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
-        g.text = self.decode(ids)
-        g.cached_tokens = int(getattr(result, "num_cached_tokens", None) or 0)
-        return g
+        log_probs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
+        return ids, log_probs, int(getattr(result, "num_cached_tokens", None) or 0)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
