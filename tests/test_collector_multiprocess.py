@@ -87,7 +87,7 @@ def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows):
         # with a replay buffer, after a reseed: the first batch again
         collector.replay_buffer, collector.total_batches = rb, 1
         collector.set_seed(7)
-        collector.update_policy_weights_(VLLMPolicy_weights(tiny_path))
+        collector.update_policy_weights_(original_weights(tiny_path))
         assert list(collector) == [None]
         processes = [collector._engine, *collector._workers]
     assert not any(p.is_alive() for p in processes)  # shutdown stopped every process
@@ -98,7 +98,8 @@ def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows):
     assert content(rb[:]) == content(single_rows[0])
 
 
-def VLLMPolicy_weights(path):  # noqa: N802 - the model's own weights, to undo the perturbation
+def original_weights(path):
+    """The model's own weights (undo the perturbation)."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()

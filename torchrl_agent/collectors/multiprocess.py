@@ -98,6 +98,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
     owner: dict[str, tuple[int, int, int]] = {}  # engine request id -> (rank, call, index)
     held: list = []  # calls that arrived while a weight update waits for the running batch
     pending_weights = None
+    busy_s, engine_steps = 0.0, 0  # time spent in engine.step (where the engine's time goes)
 
     def answer_if_complete(key):
         if calls[key][1] == 0:
@@ -132,7 +133,9 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
             for message in messages:
                 if message[0] == "stop":
                     return
-                if message[0] == "weights":
+                if message[0] == "stats":
+                    acks.put(("stats", {"busy_s": busy_s, "engine_steps": engine_steps}))
+                elif message[0] == "weights":
                     pending_weights = message[1]
                 elif pending_weights is not None:
                     held.append(message)
@@ -149,7 +152,10 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
                     admit(message)
                 held = []
             if engine.has_unfinished_requests():
-                for output in engine.step():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                busy_s, engine_steps = busy_s + time.perf_counter() - t0, engine_steps + 1
+                for output in outputs:
                     if output.finished:
                         rank, call, i = owner.pop(output.request_id)
                         calls[(rank, call)][0][i] = (False, *policy.completion(output))
@@ -399,6 +405,14 @@ class MultiProcessStepCollector(BaseCollector):
     def load_state_dict(self, state: dict) -> None:
         self.seed, self._frames = state["seed"], state.get("frames", 0)
         self._restart_at(("load", dict(state)), state["batches"])
+
+    def engine_stats(self) -> dict:
+        """The engine server's counters: ``busy_s`` (seconds spent in ``engine.step``), ``engine_steps``."""
+        self._requests.put(("stats",))
+        kind, detail = self._wait(self._acks, "the engine server's counters")
+        if kind != "stats":
+            raise RuntimeError(f"engine server answered {kind!r} to a stats request: {detail}")
+        return detail
 
     def get_model(self, model_id: str):
         raise KeyError("the policy lives in the engine server process: pass the weights to update_policy_weights_")
