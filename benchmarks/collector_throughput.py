@@ -289,6 +289,7 @@ def _run_single(args, engine: dict, lockstep: bool) -> dict:
 
     t0 = time.perf_counter()
     policy = VLLMPolicy(**engine)
+    policy.generate(["warm-up"], seeds=[0])  # as the engine server does before it reports ready
     env = functools.partial(alfworld_env, engine["model_path"], args.max_steps, group_size=args.group_size)(
         args.num_groups)
     startup = time.perf_counter() - t0

@@ -38,6 +38,7 @@ import queue
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 from tensordict import TensorDictBase, lazy_stack
@@ -48,9 +49,42 @@ from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, 
 from torchrl_agent.collectors.weight_sync import EngineReloadScheme, as_state_dict, register_policy_scheme
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["MultiProcessStepCollector", "EngineClient"]
+__all__ = ["MultiProcessStepCollector", "EngineClient", "TextEnvFactory"]
 
 _POLL_S = 1.0
+
+
+@dataclass
+class TextEnvFactory:
+    """A picklable ``env_factory``: ``make_env(name, num_groups=..., group_size=..., **env_kwargs)``
+    under window memory, the env's prompt template and the action projection.
+
+    Args:
+        name: a registered environment (``"numberline"``, ``"alfworld"``, ...); also the prompt template.
+        tokenizer_path: the model folder whose tokenizer renders the prompts.
+        group_size, memory_window, action_format: as in the training config (``env.group_size``,
+            ``memory.window``, ``env.action_format``).
+        env_kwargs: more keyword arguments of the environment (``max_steps``, ...).
+    """
+
+    name: str
+    tokenizer_path: str
+    group_size: int = 1
+    memory_window: int = 2
+    action_format: str = "tags"
+    env_kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, num_groups: int) -> EnvBase:
+        from torchrl.envs import Compose, TransformedEnv
+        from transformers import AutoTokenizer
+
+        from torchrl_agent.envs import make_env
+        from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
+
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        env = make_env(self.name, num_groups=num_groups, group_size=self.group_size, **self.env_kwargs)
+        return TransformedEnv(env, Compose(WindowMemory(self.memory_window), PromptTransform(tokenizer, self.name),
+                                           ActionProjection(self.action_format)))
 
 
 class EngineClient(LLMPolicy):
@@ -90,6 +124,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
 
         policy = VLLMPolicy(**engine_kwargs)
         engine = policy.llm.llm_engine
+        policy.generate(["warm-up"], seeds=[0])  # the first request pays one-off set-up costs: not a collector's
     except BaseException:
         acks.put(("error", traceback.format_exc()))
         return

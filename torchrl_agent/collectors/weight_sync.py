@@ -70,7 +70,7 @@ class EngineReloadScheme(WeightSyncScheme):
     """
 
     def __init__(self, transport=None):
-        super().__init__(strategy="state_dict")
+        super().__init__()  # prepare_weights below turns any weights into a state dict
         self._transport = transport
 
     def _init_on_sender_impl(self, *, model_id: str = "policy", context: Any = None, transport=None, **kwargs):
