@@ -83,3 +83,26 @@ def test_update_policy_weights_goes_through_the_weight_sync_scheme(tiny_model, t
     shared = StepCollector(make(tokenizer, 1, 1), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=4))
     assert isinstance(shared._weight_sync_schemes["policy"], NoWeightSyncScheme)
     shared.update_policy_weights_(tiny_model.state_dict())
+
+
+def test_shards_replay_the_single_process_episodes_and_ids(tokenizer):
+    """The layout the multi-process collector gives its shards: groups 0-1 and 2 of 3, two batches."""
+    from torchrl_agent.collectors.step_collector import ShardLayout
+
+    def rows_of(collector, batches=2):
+        out = []
+        for _ in range(batches):
+            for row in collector.collect().unbind(0):
+                out.append((int(row["group_id"]), int(row["traj_id"]), int(row["step_count"]), row["observation"],
+                            row["action"]))
+        return sorted(out)
+
+    policy = ExpertOrJunk(tokenizer, junk_or_expert)
+    single = rows_of(StepCollector(make(tokenizer, 3, 2, max_steps=5), policy, seed=4))
+    shards = []
+    for offset, groups in ((0, 2), (2, 1)):
+        collector = StepCollector(make(tokenizer, groups, 2, max_steps=5), policy, seed=4)
+        collector.layout = ShardLayout(3, 6, offset, offset * 2)
+        shards += rows_of(collector)
+    assert sorted(shards) == single
+    assert len({r[3] for r in single if r[2] == 0}) > 1  # the groups really start from different games
