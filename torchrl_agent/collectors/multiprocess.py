@@ -33,6 +33,7 @@ weights.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import pickle
 import queue
 import time
@@ -52,6 +53,16 @@ from torchrl_agent.modules.policy import Generation, LLMPolicy
 __all__ = ["MultiProcessStepCollector", "EngineClient", "TextEnvFactory"]
 
 _POLL_S = 1.0
+
+
+def _get_while_parent_lives(q, parent: int):
+    """``q.get()`` in a child process; exits if the parent process died (no orphaned engines)."""
+    while True:
+        try:
+            return q.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                raise SystemExit(0) from None
 
 
 @dataclass
@@ -98,7 +109,7 @@ class EngineClient(LLMPolicy):
     def __init__(self, tokenizer, requests, responses, rank: int, **kwargs):
         super().__init__(tokenizer, **kwargs)
         self._requests, self._responses, self.rank = requests, responses, rank
-        self._calls = 0
+        self._calls, self._parent = 0, os.getppid()
 
     def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
         if seeds is None:
@@ -107,7 +118,7 @@ class EngineClient(LLMPolicy):
         self._calls += 1
         self._requests.put(("generate", self.rank, self._calls, [(i, p, int(s)) for i, (p, s) in
                                                                   enumerate(zip(ids, seeds))]))
-        call, results = self._responses.get()
+        call, results = _get_while_parent_lives(self._responses, self._parent)
         if call != self._calls:
             raise RuntimeError(f"engine server answered call {call}, expected {self._calls}")
         return [Generation(p, response, log_probs, self.decode(response), too_long, cached)
@@ -116,6 +127,7 @@ class EngineClient(LLMPolicy):
 
 def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
     """The engine server: admit requests as they come, step the engine, answer finished calls."""
+    parent = os.getppid()
     try:
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -159,7 +171,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
         while True:
             messages = []
             if not engine.has_unfinished_requests() and pending_weights is None:
-                messages.append(requests.get())  # idle: wait for work
+                messages.append(_get_while_parent_lives(requests, parent))  # idle: wait for work
             while True:
                 try:
                     messages.append(requests.get_nowait())
@@ -203,7 +215,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
 def _collector_main(rank: int, env_factory, shard_groups: int, groups_total: int, group_offset: int, seed: int,
                     client_kwargs: dict, requests, responses, commands, data) -> None:
     """A collector process: a StepCollector over its shard, driven by the main process's commands."""
-    env = None
+    env, parent = None, os.getppid()
     try:
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
@@ -215,7 +227,7 @@ def _collector_main(rank: int, env_factory, shard_groups: int, groups_total: int
         collector.layout = ShardLayout(groups_total, groups_total * group_size, group_offset, group_offset * group_size)
         data.put(("ready", rank, None, None))
         while True:
-            command = commands.get()
+            command = _get_while_parent_lives(commands, parent)
             if command[0] == "stop":
                 return
             if command[0] == "seed":
