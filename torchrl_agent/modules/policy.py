@@ -40,6 +40,9 @@ class LLMPolicy(TensorDictModuleBase, abc.ABC):
     :meth:`update_weights` when the engine holds its own copy of the weights)."""
 
     in_keys = [("text", "prompt")]
+    #: ``generate`` takes ``seeds=`` (one sampling seed per prompt); ``forward`` then passes the
+    #: optional ``request_seed`` ``[b]`` entry the collectors write.
+    accepts_request_seeds = False
     out_keys = [("text", "response"), ("tokens", "prompt"), ("tokens", "response"), ("log_probs", "response"),
                 "prompt_too_long"]
 
@@ -74,7 +77,8 @@ class LLMPolicy(TensorDictModuleBase, abc.ABC):
         n = tensordict.batch_size[0]
         prompts = tensordict.get(("text", "prompt"))
         prompts = [prompts] * n if isinstance(prompts, str) else list(prompts.tolist())
-        generations = self.generate(prompts)
+        seeds = tensordict.get("request_seed", None) if self.accepts_request_seeds else None
+        generations = self.generate(prompts) if seeds is None else self.generate(prompts, seeds=seeds.tolist())
         rows = [
             TensorDict({
                 "prompt": torch.tensor(g.prompt_ids, dtype=torch.int64),

@@ -193,20 +193,28 @@ class VLLMPolicy(LLMPolicy):
         self.seed = seed
         self._requests = 0
 
-    def _sampling_params(self, n: int) -> list:
+    accepts_request_seeds = True
+
+    def _sampling_params(self, n: int, seeds: list[int] | None = None) -> list:
+        """One ``SamplingParams`` per request: seeded by ``seeds`` when given (the collectors'
+        ``request_seed``, independent of batching), else by the policy's request counter."""
         from vllm import SamplingParams
 
         params = []
-        for _ in range(n):
-            seed = None if self.seed is None else (self.seed + self._requests) % _SEED_MODULUS
-            self._requests += 1
+        for k in range(n):
+            if seeds is not None:
+                seed = int(seeds[k]) % _SEED_MODULUS
+            else:
+                seed = None if self.seed is None else (self.seed + self._requests) % _SEED_MODULUS
+                self._requests += 1
             params.append(SamplingParams(
                 temperature=self.temperature, top_k=0, top_p=1.0, max_tokens=self.max_new_tokens, logprobs=0,
                 seed=seed, detokenize=False,
             ))
         return params
 
-    def generate(self, prompts: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
+        """``seeds``: one sampling seed per prompt (default: the policy's per-request sequence)."""
         from vllm import TokensPrompt
 
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
@@ -217,19 +225,28 @@ class VLLMPolicy(LLMPolicy):
         if not todo:
             return out
         results = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=out[i].prompt_ids) for i in todo], self._sampling_params(len(todo)),
+            [TokensPrompt(prompt_token_ids=out[i].prompt_ids) for i in todo],
+            self._sampling_params(len(todo), None if seeds is None else [seeds[i] for i in todo]),
             use_tqdm=False,
         )
         for i, result in zip(todo, results):
-            completion = result.outputs[0]
-            ids = list(completion.token_ids)
-            g = out[i]
-            g.response_ids = ids
-            # logprobs=0: each step's dict holds exactly the sampled token
-            g.log_probs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
-            g.text = self.decode(ids)
-            g.cached_tokens = int(getattr(result, "num_cached_tokens", None) or 0)
+            self.fill(out[i], result)
         return out
+
+    def fill(self, g: Generation, result) -> Generation:
+        """Copy a vLLM ``RequestOutput`` into ``g`` (response ids, log-probs, text, cached tokens)."""
+        g.response_ids, g.log_probs, g.cached_tokens = self.completion(result)
+        g.text = self.decode(g.response_ids)
+        return g
+
+    @staticmethod
+    def completion(result) -> tuple[list[int], list[float], int]:
+        """``(response ids, their sampling log-probs, prefix-cached prompt tokens)`` of a ``RequestOutput``."""
+        completion = result.outputs[0]
+        ids = list(completion.token_ids)
+        # logprobs=0: each step's dict holds exactly the sampled token
+        log_probs = [float(step[token].logprob) for token, step in zip(ids, completion.logprobs)]
+        return ids, log_probs, int(getattr(result, "num_cached_tokens", None) or 0)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

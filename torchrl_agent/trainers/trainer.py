@@ -492,11 +492,11 @@ class Trainer:
         if not is_main_process():
             return
         if self.rollout_model is None:  # an engine with its own weights (vLLM)
-            self.policy.update_weights({k: v.detach().to(self.compute_dtype) if v.is_floating_point() else v
-                                        for k, v in state.items()})
+            self.collector.update_policy_weights_({k: v.detach().to(self.compute_dtype) if v.is_floating_point()
+                                                   else v for k, v in state.items()})
         elif self.rollout_model is not self.model:
             self.rollout_model.load_state_dict(state)  # cast into the engine's copy
-            self.policy.update_weights(state)
+            self.collector.update_policy_weights_(state)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:

@@ -1,0 +1,495 @@
+"""Multi-process collection: collector processes over one shared, continuously batching vLLM engine.
+
+Processes (all started with ``spawn``; the collector starts and stops them):
+
+- **one engine server**: a :class:`~torchrl_agent.modules.VLLMPolicy`'s engine (vLLM's ``LLMEngine``,
+  in that process). Requests of every collector process are added to the engine as they arrive and
+  the engine steps the running batch (continuous batching): a request joins the batch at the next
+  engine step, whoever sent it, and leaves it as soon as it finishes.
+- **``num_collectors`` collector processes**: each owns a shard of the groups (a
+  :class:`~torchrl_agent.collectors.StepCollector` over ``env_factory(shard_groups)``), steps its
+  environments, builds and tokenizes prompts, sends the prompts of its running environments to the
+  engine server and decodes the answers. While one shard steps its games, the engine serves the
+  others.
+- **this process**: hands out batches, gathers the shards' rows, applies ``postproc`` / fills the
+  replay buffer, and sends new weights to the engine server.
+
+Rows are those of the single-process :class:`~torchrl_agent.collectors.StepCollector` with the same
+environments, engine and seed: a shard gives its environments the single-process ids (``group_id``,
+``traj_id``), plays the same episodes (its env skips the other shards' group seeds), and every
+request carries the ``request_seed`` of its ``(seed, traj_id, step_count)``. vLLM samples a seeded
+request independently of the batch it runs in (checked on the CPU engine: same tokens, log-probs
+within 1e-6, in batches of 1, 8 and 16). The batch is returned in the single-process order
+(``step_count``, then ``traj_id``).
+
+``max_batches_ahead=0`` (on-policy, the default): a shard starts batch ``b + 1`` only when the
+consumer asks for it, i.e. after it used batch ``b`` (and updated the weights). With ``k > 0`` a
+shard that finished batch ``b`` goes on with up to ``k`` later batches instead of waiting for the
+slowest shard (their rows may then come from weights up to ``k`` updates old). A weight update
+waits for the engine's running requests to finish, so every response is sampled with one set of
+weights.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import TensorDictBase, lazy_stack
+from torchrl.collectors import BaseCollector
+from torchrl.envs import EnvBase
+
+from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, _BatchStats
+from torchrl_agent.collectors.weight_sync import EngineReloadScheme, as_state_dict, register_policy_scheme
+from torchrl_agent.modules.policy import Generation, LLMPolicy
+
+__all__ = ["MultiProcessStepCollector", "EngineClient", "TextEnvFactory"]
+
+_POLL_S = 1.0
+
+
+def _get_while_parent_lives(q, parent: int):
+    """``q.get()`` in a child process; exits if the parent process died (no orphaned engines)."""
+    while True:
+        try:
+            return q.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                raise SystemExit(0) from None
+
+
+@dataclass
+class TextEnvFactory:
+    """A picklable ``env_factory``: ``make_env(name, num_groups=..., group_size=..., **env_kwargs)``
+    under window memory, the env's prompt template and the action projection.
+
+    Args:
+        name: a registered environment (``"numberline"``, ``"alfworld"``, ...); also the prompt template.
+        tokenizer_path: the model folder whose tokenizer renders the prompts.
+        group_size, memory_window, action_format: as in the training config (``env.group_size``,
+            ``memory.window``, ``env.action_format``).
+        env_kwargs: more keyword arguments of the environment (``max_steps``, ...).
+    """
+
+    name: str
+    tokenizer_path: str
+    group_size: int = 1
+    memory_window: int = 2
+    action_format: str = "tags"
+    env_kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, num_groups: int) -> EnvBase:
+        from torchrl.envs import Compose, TransformedEnv
+        from transformers import AutoTokenizer
+
+        from torchrl_agent.envs import make_env
+        from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
+
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        env = make_env(self.name, num_groups=num_groups, group_size=self.group_size, **self.env_kwargs)
+        return TransformedEnv(env, Compose(WindowMemory(self.memory_window), PromptTransform(tokenizer, self.name),
+                                           ActionProjection(self.action_format)))
+
+
+class EngineClient(LLMPolicy):
+    """The policy of a collector process: prompts go to the engine server, answers come back.
+
+    Tokenizes the prompts and decodes the responses here (in the collector process); the server
+    only sees token ids. Every request must carry its sampling seed (``request_seed``)."""
+
+    accepts_request_seeds = True
+
+    def __init__(self, tokenizer, requests, responses, rank: int, **kwargs):
+        super().__init__(tokenizer, **kwargs)
+        self._requests, self._responses, self.rank = requests, responses, rank
+        self._calls, self._parent = 0, os.getppid()
+
+    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
+        if seeds is None:
+            raise ValueError("the engine server samples seeded requests only: pass seeds")
+        ids = [self.encode(p) for p in prompts]
+        self._calls += 1
+        self._requests.put(("generate", self.rank, self._calls, [(i, p, int(s)) for i, (p, s) in
+                                                                  enumerate(zip(ids, seeds))]))
+        call, results = _get_while_parent_lives(self._responses, self._parent)
+        if call != self._calls:
+            raise RuntimeError(f"engine server answered call {call}, expected {self._calls}")
+        return [Generation(p, response, log_probs, self.decode(response), too_long, cached)
+                for p, (too_long, response, log_probs, cached) in zip(ids, results)]
+
+
+def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
+    """The engine server: admit requests as they come, step the engine, answer finished calls."""
+    parent = os.getppid()
+    try:
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        from torchrl_agent.modules.vllm_policy import VLLMPolicy
+
+        policy = VLLMPolicy(**engine_kwargs)
+        engine = policy.llm.llm_engine
+        policy.generate(["warm-up"], seeds=[0])  # the first request pays one-off set-up costs: not a collector's
+    except BaseException:
+        acks.put(("error", traceback.format_exc()))
+        return
+    acks.put(("ready", policy.max_prompt_tokens))
+    calls: dict[tuple[int, int], list] = {}  # (rank, call) -> [results, outstanding]
+    owner: dict[str, tuple[int, int, int]] = {}  # engine request id -> (rank, call, index)
+    held: list = []  # calls that arrived while a weight update waits for the running batch
+    pending_weights = None
+    busy_s, engine_steps = 0.0, 0  # time spent in engine.step (where the engine's time goes)
+
+    def answer_if_complete(key):
+        if calls[key][1] == 0:
+            responses[key[0]].put((key[1], calls.pop(key)[0]))
+
+    def admit(message):
+        _, rank, call, items = message
+        key = (rank, call)
+        calls[key] = [[None] * len(items), len(items)]
+        for i, ids, seed in items:
+            if not ids or len(ids) > policy.max_prompt_tokens:  # never sent to the engine (as VLLMPolicy)
+                calls[key][0][i] = (True, [], [], 0)
+                calls[key][1] -= 1
+                continue
+            params = policy._sampling_params(1, [seed])[0]
+            params.output_kind = RequestOutputKind.FINAL_ONLY
+            request_id = f"{rank}:{call}:{i}"  # outputs carry it (add_request returns an internal id)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+            owner[request_id] = (rank, call, i)
+        answer_if_complete(key)
+
+    try:
+        while True:
+            messages = []
+            if not engine.has_unfinished_requests() and pending_weights is None:
+                messages.append(_get_while_parent_lives(requests, parent))  # idle: wait for work
+            while True:
+                try:
+                    messages.append(requests.get_nowait())
+                except queue.Empty:
+                    break
+            for message in messages:
+                if message[0] == "stop":
+                    return
+                if message[0] == "stats":
+                    acks.put(("stats", {"busy_s": busy_s, "engine_steps": engine_steps}))
+                elif message[0] == "weights":
+                    pending_weights = message[1]
+                elif pending_weights is not None:
+                    held.append(message)
+                else:
+                    admit(message)
+            if pending_weights is not None and not engine.has_unfinished_requests():
+                try:
+                    policy.update_weights(pickle.loads(pending_weights))
+                    acks.put(("updated", None))
+                except Exception:
+                    acks.put(("error", traceback.format_exc()))
+                pending_weights = None
+                for message in held:
+                    admit(message)
+                held = []
+            if engine.has_unfinished_requests():
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                busy_s, engine_steps = busy_s + time.perf_counter() - t0, engine_steps + 1
+                for output in outputs:
+                    if output.finished:
+                        rank, call, i = owner.pop(output.request_id)
+                        calls[(rank, call)][0][i] = (False, *policy.completion(output))
+                        calls[(rank, call)][1] -= 1
+                        answer_if_complete((rank, call))
+    finally:
+        policy.close()
+
+
+def _collector_main(rank: int, env_factory, shard_groups: int, groups_total: int, group_offset: int, seed: int,
+                    client_kwargs: dict, requests, responses, commands, data) -> None:
+    """A collector process: a StepCollector over its shard, driven by the main process's commands."""
+    env, parent = None, os.getppid()
+    try:
+        torch.set_num_threads(1)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(client_kwargs.pop("model_path"))
+        env = env_factory(shard_groups)
+        collector = StepCollector(env, EngineClient(tokenizer, requests, responses, rank, **client_kwargs), seed=seed)
+        group_size = collector.group_size
+        collector.layout = ShardLayout(groups_total, groups_total * group_size, group_offset, group_offset * group_size)
+        data.put(("ready", rank, None, None))
+        while True:
+            command = _get_while_parent_lives(commands, parent)
+            if command[0] == "stop":
+                return
+            if command[0] == "seed":
+                collector.set_seed(command[1])
+            elif command[0] == "load":
+                collector.load_state_dict(command[1])
+            elif command[0] == "collect":
+                epoch, batch = command[1], command[2]
+                if collector.batches != batch:
+                    raise RuntimeError(f"collector {rank} is at batch {collector.batches}, asked for {batch}")
+                rows = collector.collect()
+                # plain pickle: tensors travel by value (one message), not as thousands of shared-memory handles
+                data.put(("rows", rank, (epoch, batch), pickle.dumps((rows, dict(collector.stats)))))
+    except BaseException:
+        data.put(("error", rank, None, traceback.format_exc()))
+    finally:
+        if env is not None and not env.is_closed:
+            env.close()
+
+
+class _ServerTransport:
+    """TorchRL ``TransportBackend``: weights to the engine server, acknowledged once loaded."""
+
+    def __init__(self, collector: MultiProcessStepCollector):
+        self.collector = collector
+
+    def send_weights(self, weights) -> None:
+        state = {k: v.detach().to("cpu").contiguous() for k, v in as_state_dict(weights).items()}
+        self.collector._requests.put(("weights", pickle.dumps(state)))
+        kind, detail = self.collector._wait(self.collector._acks, "the engine server's weight update")
+        if kind != "updated":
+            raise RuntimeError(f"engine server failed to load the weights:\n{detail}")
+
+    def receive_weights(self, timeout=None, *, weights=None, model=None, strategy=None):
+        return None
+
+    def check_connection(self) -> bool:
+        return self.collector._engine.is_alive()
+
+    def setup_connection_and_weights_on_sender(self) -> None:
+        pass
+
+    def setup_connection_and_weights_on_receiver(self, *, worker_idx=None, weights=None, model=None, strategy=None):
+        return None
+
+
+class MultiProcessStepCollector(BaseCollector):
+    """:class:`~torchrl_agent.collectors.StepCollector` over ``num_collectors`` processes sharing one
+    vLLM engine server (see the module notes). A TorchRL collector: iterate it, or call :meth:`collect`.
+
+    Args:
+        env_factory: ``env_factory(num_groups) -> env``, picklable (a module-level function or a
+            ``functools.partial``): a transformed text environment of ``num_groups`` groups, as for
+            :class:`StepCollector`. Called once in each collector process.
+        engine: keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` (``model_path``
+            required; ``max_new_tokens``, ``temperature``, ``max_model_len``, ...), built in the
+            engine server.
+        num_groups: groups per batch, split as evenly as possible over the collector processes.
+        num_collectors: collector processes (at most ``num_groups``).
+        seed, total_frames, total_batches, replay_buffer, postproc: as for :class:`StepCollector`.
+        max_batches_ahead: batches a shard may collect beyond the one being consumed (0: on-policy).
+        start_timeout: seconds to wait for the processes to start.
+
+    Example::
+
+        collector = MultiProcessStepCollector(partial(make_alfworld_env, tokenizer_path), engine={
+            "model_path": path, "max_new_tokens": 64}, num_groups=8, num_collectors=2, total_batches=10)
+        for rows in collector:
+            ...
+            collector.update_policy_weights_(model.state_dict())
+        collector.shutdown()
+    """
+
+    def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
+                 num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
+                 replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0):
+        super().__init__()
+        if "model_path" not in engine:
+            raise ValueError("engine: 'model_path' is required (the VLLMPolicy keyword arguments)")
+        if not 1 <= num_collectors <= num_groups:
+            raise ValueError(f"num_collectors must be in 1..num_groups={num_groups}, got {num_collectors}")
+        if max_batches_ahead < 0:
+            raise ValueError(f"max_batches_ahead must be >= 0, got {max_batches_ahead}")
+        self.num_groups, self.num_collectors, self.seed = num_groups, num_collectors, seed
+        self.total_frames, self.total_batches = total_frames, total_batches
+        self.requested_frames_per_batch = self.frames_per_batch = None
+        self.replay_buffer, self.postproc, self.max_batches_ahead = replay_buffer, postproc, max_batches_ahead
+        self.batches, self._frames, self._granted, self._epoch = 0, 0, 0, 0
+        self._arrived: dict = {}
+        self.stats: _BatchStats = _BatchStats(self)
+        self._closed = False
+        self._start(env_factory, dict(engine), start_timeout)
+        register_policy_scheme(self, EngineReloadScheme(_ServerTransport(self)))
+
+    # ------------------------------------------------------------------ processes
+    def _start(self, env_factory, engine: dict, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        k = self.num_collectors
+        self._requests, self._acks, self._data = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        self._responses = [ctx.Queue() for _ in range(k)]
+        self._commands = [ctx.Queue() for _ in range(k)]
+        self._engine = ctx.Process(target=_engine_main, args=(engine, self._requests, self._responses, self._acks),
+                                   name="torchrl_agent-engine", daemon=True)
+        self._engine.start()
+        sizes = [self.num_groups // k + (r < self.num_groups % k) for r in range(k)]
+        offsets = [sum(sizes[:r]) for r in range(k)]
+        client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
+                  "temperature": engine.get("temperature", 1.0)}
+        self._workers = [ctx.Process(target=_collector_main, name=f"torchrl_agent-collector-{r}", daemon=True,
+                                     args=(r, env_factory, sizes[r], self.num_groups, offsets[r], self.seed,
+                                           dict(client), self._requests, self._responses[r], self._commands[r],
+                                           self._data))
+                         for r in range(k)]
+        for w in self._workers:
+            w.start()
+        try:
+            kind, detail = self._wait(self._acks, "the engine server to start", timeout)
+            if kind != "ready":
+                raise RuntimeError(f"the engine server failed to start:\n{detail}")
+            self.max_prompt_tokens = detail
+            for _ in range(k):
+                kind, rank, _, detail = self._wait(self._data, "the collector processes to start", timeout)
+                if kind != "ready":
+                    raise RuntimeError(f"collector process {rank} failed to start:\n{detail}")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait(self, q, what: str, timeout: float | None = None):
+        """``q.get()``, raising if a process died meanwhile (or after ``timeout`` seconds)."""
+        t0 = time.monotonic()
+        while True:
+            try:
+                return q.get(timeout=_POLL_S)
+            except queue.Empty:
+                dead = [p.name for p in [self._engine, *self._workers] if not p.is_alive()]
+                if dead:
+                    raise RuntimeError(f"waiting for {what}: process(es) {dead} exited") from None
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    raise TimeoutError(f"waiting for {what}: no answer in {timeout:.0f} s") from None
+
+    def _grant(self, batch: int) -> None:
+        """Command batches ``self._granted .. batch + max_batches_ahead`` from every shard (the ones
+        ahead only within ``total_batches``)."""
+        last = batch + self.max_batches_ahead
+        if self.total_batches is not None:
+            last = max(batch, min(last, self.total_batches - 1))
+        while self._granted <= last:
+            for commands in self._commands:
+                commands.put(("collect", self._epoch, self._granted))
+            self._granted += 1
+
+    def _gather(self, batch: int) -> list:
+        key = (self._epoch, batch)
+        while len(self._arrived.get(key, {})) < self.num_collectors:
+            kind, rank, tag, payload = self._wait(self._data, f"batch {batch}")
+            if kind == "error":
+                raise RuntimeError(f"collector process {rank} failed:\n{payload}")
+            if tag[0] == self._epoch:  # batches of an earlier seed are dropped
+                self._arrived.setdefault(tag, {})[rank] = payload
+        shards = self._arrived.pop(key)
+        return [pickle.loads(shards[r]) for r in range(self.num_collectors)]
+
+    # ------------------------------------------------------------------ collection
+    def collect(self) -> TensorDictBase:
+        """The next batch: one episode in every environment of every shard, rows ``[N]``."""
+        if self._closed:
+            raise RuntimeError("the collector was shut down")
+        t0 = time.perf_counter()
+        batch = self.batches
+        self._grant(batch)
+        shards = self._gather(batch)
+        rows = [row for shard_rows, _ in shards for row in shard_rows.unbind(0)]
+        rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
+        self.batches += 1
+        self._frames += len(rows)
+        elapsed = time.perf_counter() - t0
+        figures = {key: sum(stats[key] for _, stats in shards)
+                   for key in ("env_steps", "generated_tokens", "generation_slots")}
+        self.stats = _BatchStats(self, {"collect_time_s": elapsed, **figures,
+                                        "env_steps_per_s": figures["env_steps"] / elapsed,
+                                        "tokens_per_s": figures["generated_tokens"] / elapsed,
+                                        "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
+        return lazy_stack(rows)
+
+    def iterator(self) -> Iterator[TensorDictBase | None]:
+        while not StepCollector._budget_spent(self):
+            rows = self.collect()
+            if self.postproc is not None:
+                rows = self.postproc(rows)
+            if self.post_collect_hook is not None:
+                self.post_collect_hook(rows)
+            if self.replay_buffer is not None:
+                self.replay_buffer.extend(rows)
+                yield None
+            else:
+                yield rows
+
+    @property
+    def _iter(self) -> int:
+        return self.batches - 1
+
+    def __len__(self) -> int:
+        return StepCollector.__len__(self)
+
+    # ------------------------------------------------------------------ control
+    def _restart_at(self, command: tuple, batches: int) -> None:
+        self._epoch += 1  # batches still in flight belong to the old epoch: dropped when they arrive
+        self._arrived.clear()
+        for commands in self._commands:
+            commands.put(command)
+        self.batches = self._granted = batches
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        self.seed, self._frames = seed, 0
+        self._restart_at(("seed", seed), 0)
+        return seed
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "seed": self.seed, "frames": self._frames}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self._frames = state["seed"], state.get("frames", 0)
+        self._restart_at(("load", dict(state)), state["batches"])
+
+    def engine_stats(self) -> dict:
+        """The engine server's counters: ``busy_s`` (seconds spent in ``engine.step``), ``engine_steps``."""
+        self._requests.put(("stats",))
+        kind, detail = self._wait(self._acks, "the engine server's counters")
+        if kind != "stats":
+            raise RuntimeError(f"engine server answered {kind!r} to a stats request: {detail}")
+        return detail
+
+    def get_model(self, model_id: str):
+        raise KeyError("the policy lives in the engine server process: pass the weights to update_policy_weights_")
+
+    def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
+        """Stop the collector processes (closing their environments) and the engine server."""
+        if self._closed:
+            return
+        self._closed = True
+        for commands, w in zip(self._commands, self._workers):
+            if w.is_alive():
+                commands.put(("stop",))
+        if self._engine.is_alive():
+            self._requests.put(("stop",))
+        deadline = time.monotonic() + (timeout or 30.0)
+        for p in [*self._workers, self._engine]:
+            p.join(max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+        for q in [self._requests, self._acks, self._data, *self._responses, *self._commands]:
+            q.cancel_join_thread()
+            q.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.shutdown()
