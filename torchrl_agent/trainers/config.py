@@ -79,6 +79,7 @@ class WarmStartConfig:
     episodes: int = 64
     batch_size: int = 32
     lr: float = 3e-3
+    think: str = "The best next action is {action}."  # the expert response's <think> text ("": empty)
 
 
 @dataclass

@@ -20,9 +20,13 @@ __all__ = ["expert_response", "expert_rows", "supervised_step"]
 WARM_START_SEED_OFFSET = 1_000_003
 
 
-def expert_response(action: str, fmt: str = "tags") -> str:
-    """The response text that projects to ``action`` in format ``fmt``."""
-    think = f"<think>The best next action is {action}.</think>"
+DEFAULT_THINK = "The best next action is {action}."
+
+
+def expert_response(action: str, fmt: str = "tags", think: str = DEFAULT_THINK) -> str:
+    """The response text that projects to ``action`` in format ``fmt``; ``think`` is the text inside
+    ``<think> </think>`` (``{action}`` is filled in; ``""`` gives the shortest valid response)."""
+    think = "<think>" + think.format(action=action) + "</think>"
     if fmt == "json":
         return think + '{"action": "' + action + '"}'
     return think + (action if fmt == "search" else f"<action>{action}</action>")
@@ -46,7 +50,7 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
                 if td["done"][i].item() or not experts[i]:
                     continue
                 prompt = td[i]["text", "prompt"]
-                response = tokenizer(expert_response(experts[i], cfg.env.action_format),
+                response = tokenizer(expert_response(experts[i], cfg.env.action_format, cfg.warm_start.think),
                                      add_special_tokens=False)["input_ids"] + [eos]
                 rows.append(TensorDict({"tokens": {
                     "prompt": torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
