@@ -11,13 +11,13 @@ def model_path(cfg) -> str:
     """The Hugging Face folder (or hub name) for a model config (``name``, ``path``, ``seed``)."""
     if cfg.path:
         return str(cfg.path)
-    if cfg.name == "tiny":
-        return str(build_tiny_model(seed=cfg.seed))
+    if cfg.name in ("tiny", "tiny-large"):
+        return str(build_tiny_model(seed=cfg.seed, size=cfg.name))
     if cfg.name == "smollm2-135m":
         from torchrl_agent.models.smollm2 import build_smollm2
 
         return str(build_smollm2())
-    raise ValueError(f"model.name: unknown model {cfg.name!r}; use tiny, smollm2-135m, or set model.path")
+    raise ValueError(f"model.name: unknown model {cfg.name!r}; use tiny, tiny-large, smollm2-135m, or set model.path")
 
 
 def compute_dtype(cfg):

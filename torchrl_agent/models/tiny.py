@@ -18,7 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_CONFIG", "build_tiny_model", "cache_dir", "save_model_folder", "tiny_corpus"]
+__all__ = ["TINY_CONFIG", "TINY_SIZES", "build_tiny_model", "cache_dir", "save_model_folder", "tiny_corpus"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -41,6 +41,24 @@ TINY_CONFIG = dict(
 )
 VOCAB_SIZE = 2048
 RECIPE_VERSION = 1
+
+#: ``tiny-large``: 1.1M parameters (4 layers, width 128, head_dim 32), the size the learning
+#: benchmark and the quick start use: nine times the tiny model, still an RL iteration in seconds on
+#: 2 CPU cores. Its tokenizer is trained on a
+#: wider corpus (Sokoban rooms, card deals, every template) and splits grid cells and digits into
+#: single tokens, so a room row ``#_P__#`` is six tokens the model can attend to one by one.
+TINY_LARGE_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,  # head_dim 32 (vLLM's CPU attention needs >= 32)
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+)
+#: model name -> Qwen2 hyper-parameters; ``tiny`` is the original 140k-parameter model.
+TINY_SIZES = {"tiny": TINY_CONFIG, "tiny-large": TINY_LARGE_CONFIG}
 
 
 def cache_dir() -> Path:
@@ -69,18 +87,45 @@ def tiny_corpus() -> list[str]:
     return texts
 
 
-def _recipe_hash(corpus: list[str], seed: int) -> str:
-    payload = json.dumps({"corpus": corpus, "config": TINY_CONFIG, "vocab": VOCAB_SIZE, "seed": seed,
-                          "version": RECIPE_VERSION}, sort_keys=True)
+def large_corpus() -> list[str]:
+    """``tiny-large``'s tokenizer text: :func:`tiny_corpus` plus seeded Sokoban, EZPoints and
+    Points24 episodes (their observations and the expert's responses)."""
+    from torchrl_agent.envs import make_env
+    from torchrl_agent.trainers.warm_start import expert_response
+
+    texts = tiny_corpus()
+    for name in ("sokoban", "ezpoints", "points24"):
+        env = make_env(name, num_groups=16, group_size=1, seed=0)
+        td = env.reset()
+        for _ in range(4):
+            texts += list(td["task"]) + list(td["observation"]) + list(td["admissible_actions"])
+            texts += [expert_response(a) for a in td["expert_action"] if a]
+            td["action"] = [a or "up" for a in td["expert_action"]]
+            td = env.step(td)["next"]
+    return texts
+
+
+def _recipe_hash(corpus: list[str], seed: int, size: str = "tiny") -> str:
+    config = {"corpus": corpus, "config": TINY_SIZES[size], "vocab": VOCAB_SIZE, "seed": seed,
+              "version": RECIPE_VERSION}
+    if size != "tiny":  # the original model's hash (and cached folder) is unchanged
+        config["size"], config["size_recipe"] = size, 2
+    payload = json.dumps(config, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-def _train_tokenizer(corpus: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _train_tokenizer(corpus: list[str], split_cells: bool = False):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_cells:  # every grid cell symbol and every digit is its own token
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex("[#_\u221a\\d]"), behavior="isolated"),
+            pre_tokenizers.Split(Regex("(?<=[#_\u221a\n])[A-Z](?=[#_\u221a\n])"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False),
+        ])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
@@ -89,6 +134,8 @@ def _train_tokenizer(corpus: list[str]):
         show_progress=False,
     )
     tok.train_from_iterator(corpus * 4, trainer=trainer)
+    if split_cells:  # the response tags are single tokens: a short valid response is 6 tokens
+        tok.add_tokens(["<think>", "</think>", "<action>", "</action>"])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -98,23 +145,26 @@ def _train_tokenizer(corpus: list[str]):
     )
 
 
-def build_tiny_model(seed: int = 0, *, force: bool = False) -> Path:
-    """Build (once) and return the folder of the tiny model for ``seed``."""
-    corpus = tiny_corpus()
-    folder = cache_dir() / "models" / f"tiny-{_recipe_hash(corpus, seed)}"
+def build_tiny_model(seed: int = 0, *, force: bool = False, size: str = "tiny") -> Path:
+    """Build (once) and return the folder of the tiny model for ``seed``; ``size`` is a key of
+    :data:`TINY_SIZES` (``tiny``: 140k parameters, ``tiny-large``: 1.1M)."""
+    if size not in TINY_SIZES:
+        raise ValueError(f"model.name: unknown tiny size {size!r}; use one of {', '.join(TINY_SIZES)}")
+    corpus = tiny_corpus() if size == "tiny" else large_corpus()
+    folder = cache_dir() / "models" / f"{size}-{_recipe_hash(corpus, seed, size)}"
     if folder.is_dir() and (folder / "model.safetensors").exists() and not force:
         return folder
 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = _train_tokenizer(corpus)
+    tokenizer = _train_tokenizer(corpus, split_cells=size != "tiny")
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **TINY_CONFIG,
+        **TINY_SIZES[size],
     )
     with torch.random.fork_rng():
         torch.manual_seed(seed)

@@ -109,6 +109,7 @@ class WarmStartConfig:
     episodes: int = 64
     batch_size: int = 32
     lr: float = 3e-3
+    think: Optional[str] = None  # the expert response's <think> text ({action} filled in; "": empty; None: the format's default)
 
 
 @dataclass

@@ -650,6 +650,7 @@ class Trainer:
             iterations=cfg.iterations,
             eval_success_first=evals[0][1],
             eval_success_last=evals[-1][1],
+            eval_success_after_warm_start=next((s for it, s in evals if it == 0), None) if cfg.warm_start.steps else None,
             eval_curve=evals,
             train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
             wall_s=round(time.perf_counter() - t_start, 1),

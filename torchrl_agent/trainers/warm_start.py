@@ -23,9 +23,10 @@ __all__ = ["expert_response", "expert_rows", "supervised_step"]
 WARM_START_SEED_OFFSET = 1_000_003
 
 
-def expert_response(action: str, fmt: str = "tags") -> str:
-    """The response text that projects to ``action`` in format ``fmt`` (resolved by the projection)."""
-    return response_for(action, fmt)
+def expert_response(action: str, fmt: str = "tags", think: str | None = None) -> str:
+    """The response text that projects to ``action`` in format ``fmt`` (resolved by the projection);
+    ``think`` is the text inside ``<think> </think>`` (``{action}`` is filled in; ``""``: empty)."""
+    return response_for(action, fmt, think)
 
 
 @torch.no_grad()
@@ -46,7 +47,8 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
                 if td["done"][i].item() or not experts[i]:
                     continue
                 prompt = td[i]["text", "prompt"]
-                response = tokenizer(expert_response(experts[i], resolve_format(cfg.env.action_format, cfg.env.name)),
+                response = tokenizer(expert_response(experts[i], resolve_format(cfg.env.action_format, cfg.env.name),
+                                                     cfg.warm_start.think),
                                      add_special_tokens=False)["input_ids"] + [eos]
                 rows.append(TensorDict({"tokens": {
                     "prompt": torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"]),

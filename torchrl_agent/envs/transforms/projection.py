@@ -228,13 +228,20 @@ def project_action(response: str, fmt: str = "tags", *, max_chars: int | None = 
     return action, valid
 
 
-def expert_response(action: str, fmt: str = "tags") -> str:
-    """A well-formed response that projects to ``(action, True)`` in format ``fmt`` (for warm starts)."""
-    think = f"<think>The best next action is {action}.</think>"
+def expert_response(action: str, fmt: str = "tags", think: str | None = None) -> str:
+    """A well-formed response that projects to ``(action, True)`` in format ``fmt`` (for warm starts).
+
+    ``think`` is the text inside ``<think> </think>`` (``{action}`` is filled in; ``""`` gives the
+    shortest valid response); ``None``: "The best next action is {action}." (search: a fixed
+    sentence, since the action is itself a tag)."""
+    if think is None:
+        think = "The best next step is this one." if fmt in ("search", "reference_search") else \
+            "The best next action is {action}."
+    think = "<think>" + think.format(action=action) + "</think>"
     if fmt == "json" or fmt.removeprefix("reference_") in _CARD_TOKENS:
         return think + '{"action": "' + action + '"}'
     if fmt in ("search", "reference_search"):  # the tag once only: a repeated tag is invalid
-        return "<think>The best next step is this one.</think>" + action
+        return think + action
     return think + f"<action>{action}</action>"
 
 

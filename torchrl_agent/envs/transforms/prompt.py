@@ -64,6 +64,18 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "You have taken {step} steps. Current room:\n{observation}\n"
         "Admissible actions: {admissible_actions}"
     ),
+    # short prompts for the small bundled models (the learning benchmark): the state, the moves, no prose
+    "sokoban_grid": (
+        "Sokoban: push the box X onto the target O. P is you.\n"
+        "{history}\n"
+        "{observation}\n"
+        "Moves: {admissible_actions}"
+    ),
+    "ezpoints_short": (
+        "Write a formula equal to 12 using each card once, one token at a time, then =.\n"
+        "{history}\n"
+        "{observation}"
+    ),
     "cards": (
         "You play a card game one token at a time. First reason step by step inside <think> </think>, "
         "then answer with a JSON object such as {{\"action\": \"+\"}}.\n"

@@ -1,0 +1,325 @@
+"""Does reinforcement learning (not the warm start) raise held-out success? GRPO and GiGPO, 5 seeds.
+
+Per task (``configs/experiment/learning_<task>.yaml``) and seed, one run is: the bundled
+``tiny-large`` model, a deliberately short supervised warm start on the environment's expert
+(``warm_start.steps``), then RL only (``iterations``), scored on a fixed held-out panel of
+``env.eval_episodes`` games (the environment's evaluation seeds, disjoint from the training and
+warm-start seeds) every ``eval_every`` iterations, twice: greedily (temperature 0) and sampled at
+``rollout.eval_temperature``. Point 0 of a curve is the model right after the warm start; the gain
+is final minus point 0, so it is RL's alone. The hyper-parameters were tuned on GRPO and are
+reused unchanged for GiGPO (the only override that differs is ``algorithm=gigpo``); a seed's
+warm start is the same for both methods (same seed, same data, one thread: the same weights).
+
+Also measured per task: the success of a uniformly random *valid* policy (an admissible action
+drawn uniformly every step) on the same panel, and the stall diagnostics of every iteration
+(share of groups whose episodes all scored the same and so carry no episode advantage, mean
+absolute advantage, per-token log-prob and entropy of the sampled responses, how far one update
+moves the policy: KL(old || new) on the sampled tokens and the clip fraction, the gradient norm).
+
+Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thread each.
+Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
+line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "methods": {"grpo":
+M, "gigpo": M}}}}``::
+
+    python benchmarks/learning.py [--tasks sokoban ezpoints] [--seeds 0 1 2 3 4] [--jobs 2]
+                                  [--iterations N] [--threshold 0.5] [--out runs/learning] [--quick]
+
+``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel).
+``--diagnose TASK`` runs one GRPO seed of TASK and prints the per-iteration diagnostics only
+(overrides after ``--set`` go to the config, e.g. ``--set model.name=tiny warm_start.steps=150``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import random
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from torchrl_agent.trainers.cli import compose_config  # noqa: E402
+from torchrl_agent.trainers.trainer import Trainer  # noqa: E402
+
+METHODS = ("grpo", "gigpo")
+TASKS = ("sokoban", "ezpoints")
+
+
+class LearningTrainer(Trainer):
+    """:class:`Trainer` that scores the panel greedily *and* sampled, and records why an update
+    does (or does not) move the policy. Training itself is the parent's, unchanged."""
+
+    def __init__(self, cfg, *, diagnose: bool = True):
+        super().__init__(cfg)
+        self.diagnose = diagnose
+        self.panel: list[dict] = []  # {"iteration", "greedy", "sampled"} per evaluation
+        self.diagnostics: list[dict] = []
+        self._evaluated_untrained = False
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        if self.cfg.warm_start.steps > 0 and not self._evaluated_untrained and not self.evals:
+            # Trainer.train's point -1 (the untrained model): skipped here, it costs a whole panel of
+            # max-length garbage responses and the benchmark's baseline is the warm-started model
+            self._evaluated_untrained = True
+            return {"eval_success": float("nan")}
+        t0 = time.perf_counter()
+        sampled = super().evaluate()
+        temperature = self.eval_policy.temperature
+        try:
+            self.eval_policy.temperature = 0.0
+            greedy = super().evaluate()
+        finally:
+            self.eval_policy.temperature = temperature
+        point = {"iteration": len(self.history),  # RL iterations done (one history record each)
+                 "greedy": greedy["eval_success"], "sampled": sampled["eval_success"],
+                 "greedy_action_valid": greedy["eval_action_valid"], "eval_s": time.perf_counter() - t0}
+        self.panel.append(point)
+        return {**greedy, "eval_sampled_success": sampled["eval_success"]}
+
+    def update(self, rows):
+        stats = advantage_stats(rows)
+        if not self.diagnose:  # the cheap statistics only (no extra forward passes)
+            out = super().update(rows)
+            stats.update({k: out[k] for k in ("clip_fraction", "entropy", "grad_norm") if k in out})
+            self.diagnostics.append({"iteration": self.iteration, **stats})
+            return {**out, **stats}
+        old = self.recompute(self.model, rows)  # per-row log-probs of the sampled response tokens
+        token_lp = torch.cat(old)
+        stats.update(sampled_logprob_mean=float(token_lp.mean()),
+                     sampled_token_p_over_0_99=float((token_lp > math.log(0.99)).float().mean()),
+                     response_tokens_mean=len(token_lp) / len(old))
+        out = super().update(rows)
+        new = self.recompute(self.model, rows)
+        diff = torch.cat([o - n for o, n in zip(old, new)])
+        stats.update(kl_old_new=float(diff.mean()), max_logprob_change=float(diff.abs().max()))
+        stats.update({k: out[k] for k in ("clip_fraction", "entropy", "grad_norm") if k in out})
+        self.diagnostics.append({"iteration": self.iteration, **stats})
+        return {**out, **stats}
+
+
+def advantage_stats(rows) -> dict[str, float]:
+    """Share of groups whose episodes all returned the same (no episode-level signal), share of
+    rows with a zero advantage, mean |advantage| over rows."""
+    group = rows["group_id"].reshape(-1)
+    traj = rows["traj_id"].reshape(-1)
+    reward = rows["reward"].reshape(-1).float()
+    returns: dict[int, float] = {}
+    owner: dict[int, int] = {}
+    for g, t, r in zip(group.tolist(), traj.tolist(), reward.tolist()):
+        returns[t] = returns.get(t, 0.0) + r
+        owner[t] = g
+    by_group: dict[int, list[float]] = {}
+    for t, ret in returns.items():
+        by_group.setdefault(owner[t], []).append(round(ret, 4))
+    flat = sum(len(set(v)) == 1 for v in by_group.values())
+    success = rows["success"].reshape(-1)[rows["done"].reshape(-1)].float()
+    succ_by_group: dict[int, list[float]] = {}
+    for g, s in zip(group[rows["done"].reshape(-1)].tolist(), success.tolist()):
+        succ_by_group.setdefault(g, []).append(s)
+    same_outcome = sum(len(set(v)) == 1 for v in succ_by_group.values())
+    adv = rows["advantage"].reshape(-1).float()
+    return {"groups_equal_return": flat / max(len(by_group), 1),
+            "groups_same_outcome": same_outcome / max(len(succ_by_group), 1),
+            "rows_zero_advantage": float((adv.abs() < 1e-8).float().mean()),
+            "advantage_abs_mean": float(adv.abs().mean())}
+
+
+def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
+    """Held-out success of a policy drawing an admissible action uniformly at random every step."""
+    cfg = compose_config([f"experiment=learning_{task}", f"env.eval_episodes={episodes}"])
+    from torchrl_agent.envs import make_env
+
+    e = cfg.env
+    kwargs = dict(e.kwargs)
+    if e.max_steps is not None:
+        kwargs["max_steps"] = e.max_steps
+    env = make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
+    rng = random.Random(seed)
+    td = env.reset()
+    won = torch.zeros(episodes, dtype=torch.bool)
+    while not td["done"].all():
+        td["action"] = [rng.choice([a for a in adm.split("\n") if a] or [""]) for adm in td["admissible_actions"]]
+        td = env.step(td)["next"]
+        won |= td["success"].reshape(-1).bool()
+    return float(won.float().mean())
+
+
+def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
+    out = [f"experiment=learning_{task}", f"algorithm={method}", f"seed={seed}", "progress=false",
+           f"run_dir={os.path.join(args.out, f'{task}_{method}_seed{seed}')}"]
+    if args.iterations is not None:
+        out.append(f"iterations={args.iterations}")
+    if args.quick:
+        out += ["iterations=1", "eval_every=1", "env.eval_episodes=8", "env.num_groups=2", "env.group_size=4",
+                "warm_start.steps=4"]
+    return out + list(args.set or [])
+
+
+def run_one(task: str, method: str, seed: int, args) -> dict:
+    """One training run in this process; returns its curves, diagnostics and timings."""
+    cfg = compose_config(overrides_for(task, method, seed, args))
+    t0 = time.perf_counter()
+    trainer = LearningTrainer(cfg, diagnose=bool(args.diagnose))
+    summary = trainer.train()
+    wall = time.perf_counter() - t0
+    iteration_s = [h["iteration_s"] for h in trainer.history if "iteration_s" in h]
+    run = {"task": task, "method": method, "seed": seed, "panel": trainer.panel,
+           "diagnostics": trainer.diagnostics, "wall_s": round(wall, 1),
+           "rl_s_per_iteration": statistics.fmean(iteration_s) if iteration_s else None,
+           "warm_start_loss": summary.get("warm_start_loss"),
+           "train_success": [h.get("success") for h in trainer.history if "success" in h]}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{task}_{method}_seed{seed}.json"), "w") as f:
+        json.dump(run, f)
+    first, last = trainer.panel[0], trainer.panel[-1]
+    print(f"run {task} {method} seed={seed}: greedy {first['greedy']:.3f} -> {last['greedy']:.3f}, sampled "
+          f"{first['sampled']:.3f} -> {last['sampled']:.3f}, {wall:.0f} s", file=sys.stderr, flush=True)
+    return run
+
+
+def _child(task: str, method: str, seed: int, args) -> dict:
+    torch.set_num_threads(1)
+    return run_one(task, method, seed, args)
+
+
+def iterations_to(panel: list[dict], threshold: float, key: str = "greedy") -> int | None:
+    """RL iterations until the panel first reaches ``threshold`` (0: the warm start alone did)."""
+    return next((p["iteration"] for p in panel if p[key] >= threshold), None)
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.pstdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(runs: list[dict], threshold: float) -> dict:
+    """The ``M`` object of one task and method (over seeds)."""
+    out: dict = {"seeds": sorted(r["seed"] for r in runs)}
+    for key, suffix in (("greedy", ""), ("sampled", "_sampled")):
+        start = [r["panel"][0][key] for r in runs]
+        final = [r["panel"][-1][key] for r in runs]
+        gain = [f - s for f, s in zip(final, start)]
+        out[f"after_warm_start_mean{suffix}"], out[f"after_warm_start_std{suffix}"] = mean_std(start)
+        out[f"final_mean{suffix}"], out[f"final_std{suffix}"] = mean_std(final)
+        out[f"rl_gain_mean{suffix}"], out[f"rl_gain_std{suffix}"] = mean_std(gain)
+        reached = [iterations_to(r["panel"], threshold, key) for r in runs]
+        hit = [x for x in reached if x is not None]
+        out[f"iterations_to_threshold{suffix}"] = reached
+        # mean over the seeds that reached it, with how many did; null if none did
+        out[f"iterations_to_threshold_mean{suffix}"] = statistics.fmean(hit) if hit else None
+        out[f"reached_threshold{suffix}"] = f"{len(hit)}/{len(runs)}"
+    per_it = [r["rl_s_per_iteration"] for r in runs if r["rl_s_per_iteration"]]
+    s_per_it = statistics.fmean(per_it) if per_it else None
+    out["rl_s_per_iteration"] = s_per_it
+    out["wall_s_to_threshold_mean"] = (out["iterations_to_threshold_mean"] * s_per_it
+                                       if out["iterations_to_threshold_mean"] is not None and s_per_it else None)
+    out["wall_s_mean"] = statistics.fmean(r["wall_s"] for r in runs)
+    its = sorted({p["iteration"] for r in runs for p in r["panel"]})
+    out["curve"] = []
+    for it in its:
+        g = [p["greedy"] for r in runs for p in r["panel"] if p["iteration"] == it]
+        s = [p["sampled"] for r in runs for p in r["panel"] if p["iteration"] == it]
+        out["curve"].append({"iteration": it, "greedy_mean": mean_std(g)[0], "greedy_std": mean_std(g)[1],
+                             "sampled_mean": mean_std(s)[0], "sampled_std": mean_std(s)[1], "n": len(g)})
+    diag = [d for r in runs for d in r["diagnostics"]]
+    if diag:
+        out["diagnostics_mean"] = {k: statistics.fmean(d[k] for d in diag if k in d)
+                                   for k in diag[0] if k != "iteration"}
+    return out
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(result["tasks"])
+    fig, axes = plt.subplots(1, 2 * len(tasks), figsize=(4.2 * 2 * len(tasks), 3.4), squeeze=False)
+    for i, task in enumerate(tasks):
+        info = result["tasks"][task]
+        for j, (key, label) in enumerate((("greedy", "greedy"), ("sampled", "sampled"))):
+            ax = axes[0][2 * i + j]
+            for method, m in info["methods"].items():
+                xs = [p["iteration"] for p in m["curve"]]
+                mu = [p[f"{key}_mean"] for p in m["curve"]]
+                sd = [p[f"{key}_std"] for p in m["curve"]]
+                ax.plot(xs, mu, marker="o", label=f"{method} ({len(m['seeds'])} seeds)")
+                ax.fill_between(xs, [a - b for a, b in zip(mu, sd)], [a + b for a, b in zip(mu, sd)], alpha=0.2)
+            ax.axhline(info["random_policy_success"], color="grey", ls=":", label="random valid policy")
+            ax.set_title(f"{task}: held-out success, {label}")
+            ax.set_xlabel("RL iteration (0 = after the warm start)")
+            ax.set_ylim(-0.02, 1.02)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--methods", nargs="+", default=list(METHODS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--iterations", type=int, default=None, help="default: the experiment config's")
+    parser.add_argument("--threshold", type=float, default=0.5)
+    parser.add_argument("--out", default="runs/learning")
+    parser.add_argument("--plot", default=None, help="default: OUT/learning_curves.png")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--diagnose", default=None, metavar="TASK")
+    parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
+    args = parser.parse_args()
+    if args.diagnose:
+        torch.set_num_threads(1)
+        run = run_one(args.diagnose, "grpo", args.seeds[0], args)
+        for d in run["diagnostics"]:
+            print("diag " + json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}))
+        print(json.dumps({"task": args.diagnose, "panel": run["panel"], "train_success": run["train_success"],
+                          "wall_s": run["wall_s"], "rl_s_per_iteration": run["rl_s_per_iteration"]}))
+        return
+    if args.quick:
+        args.tasks, args.seeds = args.tasks[:1], args.seeds[:1]
+    t0 = time.perf_counter()
+    random_success = {t: random_valid_success(t, 8 if args.quick else 256) for t in args.tasks}
+    jobs = [(t, m, s) for t in args.tasks for s in args.seeds for m in args.methods]
+    runs: list[dict] = []
+    if not args.quick:  # a finished run (its JSON in --out) is reused: an interrupted benchmark resumes
+        for t, m, s in list(jobs):
+            path = os.path.join(args.out, f"{t}_{m}_seed{s}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    runs.append(json.load(f))
+                jobs.remove((t, m, s))
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
+                                                max_tasks_per_child=1) as pool:
+        futures = [pool.submit(_child, t, m, s, args) for t, m, s in jobs]
+        for f in concurrent.futures.as_completed(futures):
+            runs.append(f.result())
+    result: dict = {"tasks": {}}
+    for task in args.tasks:
+        result["tasks"][task] = {
+            "random_policy_success": random_success[task], "threshold": args.threshold,
+            "methods": {m: summarize([r for r in runs if r["task"] == task and r["method"] == m], args.threshold)
+                        for m in args.methods},
+        }
+    result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result["jobs"] = args.jobs
+    path = args.plot or os.path.join(args.out, "learning_curves.png")
+    plot(result, path)
+    result["plot"] = path
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

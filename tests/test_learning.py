@@ -1,0 +1,80 @@
+"""The learning setup: the tiny-large model, short expert responses, the benchmark's statistics."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import torch
+from tensordict import TensorDict
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+
+def _learning_module():
+    spec = importlib.util.spec_from_file_location("learning_bench", os.path.join(ROOT, "benchmarks", "learning.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["learning_bench"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_large_model_reads_grids_and_tags():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_agent.envs.transforms.projection import project_action
+    from torchrl_agent.models import build_tiny_model
+    from torchrl_agent.trainers.warm_start import expert_response
+
+    path = build_tiny_model(seed=0, size="tiny-large")
+    assert path.name.startswith("tiny-large-") and path != build_tiny_model(seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert sum(p.numel() for p in model.parameters()) > 1_000_000
+    assert model.config.hidden_size // model.config.num_attention_heads >= 32  # vLLM CPU attention
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.tokenize("#_P__#") == ["#", "_", "P", "_", "_", "#"]  # one token per grid cell
+    response = expert_response("up", "tags", think="")
+    assert response == "<think></think><action>up</action>"
+    assert tok.tokenize(response) == ["<think>", "</think>", "<action>", "up", "</action>"]
+    assert project_action(response) == ("up", True)
+    assert project_action(expert_response("3", "json", think="")) == ("3", True)
+
+
+def test_advantage_stats_counts_groups_without_signal():
+    learning = _learning_module()
+    # group 0: two episodes with the same return (no episode signal); group 1: a win and a loss
+    rows = TensorDict(
+        reward=torch.tensor([0.0, 1.0, 0.0, 1.0, 10.0, 0.0]).unsqueeze(-1),
+        group_id=torch.tensor([0, 0, 0, 0, 1, 1]),
+        traj_id=torch.tensor([0, 0, 1, 1, 2, 3]),
+        done=torch.tensor([False, True, False, True, True, True]).unsqueeze(-1),
+        success=torch.tensor([False, False, False, False, True, False]).unsqueeze(-1),
+        advantage=torch.tensor([0.0, 0.0, 0.0, 0.0, 0.7, -0.7]).unsqueeze(-1),
+        batch_size=[6],
+    )
+    stats = learning.advantage_stats(rows)
+    assert stats["groups_equal_return"] == 0.5
+    assert stats["groups_same_outcome"] == 0.5
+    assert abs(stats["rows_zero_advantage"] - 4 / 6) < 1e-6
+    assert learning.iterations_to([{"iteration": 0, "greedy": 0.2}, {"iteration": 5, "greedy": 0.6}], 0.5) == 5
+    assert learning.iterations_to([{"iteration": 0, "greedy": 0.2}], 0.5) is None
+
+
+def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
+    learning = _learning_module()
+    for task in learning.TASKS:
+        assert learning.random_valid_success(task, episodes=32) <= 0.2, task
+
+
+def test_summary_reports_success_after_warm_start(tmp_path):
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.trainer import Trainer
+
+    cfg = compose_config(["experiment=learning_ezpoints", "warm_start.steps=2", "warm_start.episodes=8",
+                          "iterations=1", "eval_every=1", "env.eval_episodes=4", "env.num_groups=1",
+                          "env.group_size=2", "progress=false", f"run_dir={tmp_path}"])
+    summary = Trainer(cfg).train()
+    curve = dict(summary["eval_curve"])
+    assert summary["eval_success_after_warm_start"] == curve[0]
+    assert summary["eval_success_last"] == curve[1]
