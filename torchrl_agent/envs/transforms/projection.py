@@ -8,7 +8,8 @@ no-op), so a malformed output is an invalid action, never a crash.
 
 Formats: ``"tags"`` (``<think>`` + ``<action>``), ``"json"`` (``<think>`` + a JSON object with an
 ``"action"`` field, the cards), ``"search"`` (``<think>`` + ``<search>q</search>`` or
-``<answer>a</answer>``; the action is the whole tag, e.g. ``"<search>q</search>"``).
+``<answer>a</answer>``; the action is the whole tag, e.g. ``"<search>q</search>"``), ``"code"``
+(``<think>`` + ``<code>...</code>``; the action is the code, case and indentation kept: AppWorld).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ __all__ = ["ActionProjection", "project_action"]
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
 _ACTION = re.compile(r"<action>(.*?)</action>", re.DOTALL)
 _SEARCH = re.compile(r"<(search|answer)>(.*?)</\1>", re.DOTALL)
+_CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL)
 _JSON = re.compile(r"\{[^{}]*\}", re.DOTALL)
 _CJK = re.compile(r"[\u2e80-\u2fff\u3040-\u30ff\u3100-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 
@@ -42,6 +44,9 @@ def project_action(response: str, fmt: str = "tags") -> tuple[str, bool]:
     elif fmt == "search":
         match = _SEARCH.search(response)
         action = f"<{match.group(1)}>{match.group(2).strip()}</{match.group(1)}>" if match else None
+    elif fmt == "code":
+        match = _CODE.search(response)
+        action = match.group(1) if match else None
     elif fmt == "json":
         action = None
         for candidate in _JSON.findall(response):
@@ -53,7 +58,7 @@ def project_action(response: str, fmt: str = "tags") -> tuple[str, bool]:
                 action = str(value).strip().lower()
                 break
     else:
-        raise ValueError(f"unknown action format {fmt!r}; use 'tags', 'json' or 'search'")
+        raise ValueError(f"unknown action format {fmt!r}; use 'tags', 'json', 'search' or 'code'")
     if action is None or not valid:
         return response.lower()[-30:], False
     return action, True
