@@ -177,6 +177,7 @@ class WebShopCatalogue:
         if not self.goals:
             raise ValueError(f"{source}: no goals (products need instructions and instruction attributes)")
         self.engine = LuceneBM25([self._document(p) for p in self.products])
+        _nlp()  # the type score's tagger: loaded with the catalogue, not at the first purchase
 
     # ------------------------------------------------------------------ products
     @staticmethod
