@@ -241,10 +241,12 @@ class DenseRetriever(Retriever):
         """Embeddings ``[len(texts), dim]`` (float32) of ``texts`` (prefixes are the caller's job)."""
         torch = self._torch
         out = []
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # similar lengths share a batch: less padding
         with torch.inference_mode():
             for start in range(0, len(texts), self.batch_size):
-                batch = self.tokenizer(list(texts[start : start + self.batch_size]), padding=True, truncation=True,
-                                       max_length=self.max_length, return_tensors="pt")
+                chunk = [texts[i] for i in order[start : start + self.batch_size]]
+                batch = self.tokenizer(chunk, padding=True, truncation=True, max_length=self.max_length,
+                                       return_tensors="pt")
                 hidden = self.model(**batch).last_hidden_state  # [b, t, dim]
                 if self.pooling == "cls":
                     pooled = hidden[:, 0]
@@ -255,7 +257,11 @@ class DenseRetriever(Retriever):
                     pooled = torch.nn.functional.normalize(pooled, dim=-1)
                 out.append(pooled.float().numpy())
         dim = self.model.config.hidden_size
-        return np.concatenate(out) if out else np.zeros((0, dim), dtype=np.float32)
+        if not out:
+            return np.zeros((0, dim), dtype=np.float32)
+        embeddings = np.empty((len(texts), dim), dtype=np.float32)
+        embeddings[order] = np.concatenate(out)  # back to the input order
+        return embeddings
 
     def _search(self, queries: list[str], k: int) -> list[list[Passage]]:
         k = min(k, len(self.corpus))
