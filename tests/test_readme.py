@@ -1,4 +1,4 @@
-"""The README's Python examples run as written (except the WebShop one, which needs WebShop)."""
+"""The README's Python examples run as written."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.DOTALL)
-RUNNABLE = [b for b in BLOCKS if "WebAgentTextEnv" not in b]
+RUNNABLE = BLOCKS
 
 
 def test_readme_has_its_examples():

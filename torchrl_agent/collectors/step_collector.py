@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 #: Keys of the step's input copied into its row.
 _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type", "anchor", "memory",
                "step_count", ("text", "prompt"))
-_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault")
+_OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault", "task_score")
 
 
 class StepCollector(BaseCollector):
@@ -348,8 +348,17 @@ def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
         "responses_cut": int(rows["response_cut"].sum()) if "response_cut" in rows.keys() else 0,
         "episodes": int(done.sum()),
         **_per_task_success(rows, done),
+        **_task_score(rows, done),
         **token_ledger(rows),
     }
+
+
+def _task_score(rows: TensorDictBase, done: torch.Tensor) -> dict[str, float]:
+    """The mean raw task score of the finished episodes, where the env reports one (WebShop's ``task_score``)."""
+    if "task_score" not in rows.keys():
+        return {}
+    scores = rows["task_score"].reshape(-1)[done].float()
+    return {"task_score": scores.mean().item() if len(scores) else 0.0}
 
 
 def _per_task_success(rows: TensorDictBase, done: torch.Tensor) -> dict[str, float]:

@@ -27,6 +27,8 @@ ENV_REGISTRY: dict[str, Callable[..., TextEnv] | str] = {
     "alfworld": "torchrl_agent.envs.alfworld:ALFWorldEnv",
     "search": "torchrl_agent.envs.search:SearchEnv",
     "babyai": "torchrl_agent.envs.gymnasium_adapter:BabyAIEnv",
+    "webshop": "torchrl_agent.envs.webshop:WebShopEnv",
+    "appworld": "torchrl_agent.envs.appworld:AppWorldEnv",
 }
 
 

@@ -225,12 +225,17 @@ def load_wiki_corpus(lang: str = "en-us") -> Corpus:
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SearchQuestion:
-    """A question, its gold answers and the title of the Wikipedia page that answers it."""
+    """A question, its gold answers, the title of the Wikipedia page that answers it and its data source.
+
+    ``source`` (Search-R1's ``data_source``: ``nq``, ``hotpotqa``, ...) is reported as the
+    episode's ``task_type``, so success is logged per source.
+    """
 
     id: str
     question: str
     answers: tuple[str, ...]
     title: str = ""
+    source: str = ""
 
 
 @functools.lru_cache(maxsize=4)
@@ -602,14 +607,23 @@ def _default_bm25() -> BM25Retriever:
     return BM25Retriever()
 
 
+@functools.lru_cache(maxsize=1)
+def _default_dense() -> Retriever:
+    from torchrl_agent.envs.retrievers import DenseRetriever
+
+    return DenseRetriever()
+
+
 def _as_retriever(retriever: Retriever | str | None, **http_kwargs) -> Retriever:
     if retriever is None or retriever == "bm25":
         return _default_bm25()
+    if retriever == "dense":  # MiniLM over the Wikipedia summaries, embeddings cached on disk
+        return _default_dense()
     if isinstance(retriever, Retriever):
         return retriever
     if isinstance(retriever, str) and retriever.startswith(("http://", "https://")):
         return HttpRetriever(retriever, **http_kwargs)
-    raise ValueError(f"retriever must be a Retriever, 'bm25' or an http(s) URL, got {retriever!r}")
+    raise ValueError(f"retriever must be a Retriever, 'bm25', 'dense' or an http(s) URL, got {retriever!r}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,7 +678,7 @@ class SearchGame(TextGame):
         return self._state(INVALID_ACTION_MESSAGE), 0.0, False, False
 
     def _state(self, observation: str) -> GameState:
-        return GameState(observation=observation, task=self.question.question)
+        return GameState(observation=observation, task=self.question.question, task_type=self.question.source)
 
 
 class SearchEnv(TextEnv):
@@ -672,9 +686,15 @@ class SearchEnv(TextEnv):
 
     Args:
         retriever: a :class:`Retriever`, ``"bm25"`` (default: BM25 over the Wikipedia summaries,
-            shared by every env of the process) or the URL of a Search-R1 retrieval server.
+            shared by every env of the process), ``"dense"`` (MiniLM embeddings of the same
+            summaries, :class:`~torchrl_agent.envs.retrievers.DenseRetriever`) or the URL of a
+            Search-R1 retrieval server.
         subset: which FanOutQA questions to use (:func:`load_fanoutqa_questions`).
         questions: explicit questions instead (used for both splits, as given).
+        train_file, test_file: Search-R1 data files (parquet/jsonl with ``question``,
+            ``golden_answers``, ``data_source``; :func:`~torchrl_agent.envs.retrievers.load_searchr1_questions`)
+            for the train and eval splits. With only ``train_file``, eval takes the
+            :func:`split_questions` eval part of it (and train the rest).
         top_k: passages shown per search.
         max_steps: an episode is truncated after this many steps (4).
         retriever_timeout, retriever_retries: for a URL retriever, seconds per request attempt and
@@ -691,6 +711,8 @@ class SearchEnv(TextEnv):
         retriever: Retriever | str | None = None,
         subset: Literal["solvable", "in_corpus", "all"] = "solvable",
         questions: Sequence[SearchQuestion] | None = None,
+        train_file: str | None = None,
+        test_file: str | None = None,
         top_k: int = 3,
         max_steps: int = 4,
         split: Literal["train", "eval"] = "train",
@@ -700,7 +722,20 @@ class SearchEnv(TextEnv):
     ):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-        if questions is None:
+        if (train_file or test_file) and questions is not None:
+            raise ValueError("give either questions or train_file/test_file, not both")
+        if train_file or test_file:
+            from torchrl_agent.envs.retrievers import load_searchr1_questions
+
+            if split == "eval" and test_file:
+                questions = load_searchr1_questions(test_file)
+            elif train_file:
+                questions = load_searchr1_questions(train_file)
+                if not (split == "train" and test_file):  # no test file: hold out part of the train file
+                    questions = split_questions(questions, split)
+            else:
+                raise ValueError("test_file is given without train_file: the train split has no questions")
+        elif questions is None:
             questions = split_questions(load_fanoutqa_questions(subset), split)
         elif not all(isinstance(q, SearchQuestion) for q in questions):
             raise TypeError("questions must be a sequence of SearchQuestion")

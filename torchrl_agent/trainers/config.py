@@ -14,7 +14,7 @@ class EnvConfig:
     group_size: int = 4  # trajectories per group (same initial state)
     max_steps: Optional[int] = None  # None: the environment's own limit
     template: Optional[str] = None  # prompt template: a PROMPT_TEMPLATES key, "reference" (verl-agent's) or a string; None: by env name
-    action_format: str = "tags"  # tags | json | search | reference (verl-agent's parsing rules of this env)
+    action_format: str = "tags"  # tags | json | search | code | reference (verl-agent's parsing rules of this env)
     max_response_chars: Optional[int] = 32768  # responses are cut to this many characters before parsing (None: no cut)
     eval_episodes: int = 32  # size of the held-out evaluation panel
     kwargs: dict[str, Any] = field(default_factory=dict)  # extra environment arguments

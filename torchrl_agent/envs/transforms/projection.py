@@ -16,6 +16,8 @@ Two families of formats, both linear in the response length (every rule is a lef
 * ``"search"``: ``<think>...</think>`` and one ``<search>q</search>`` or ``<answer>a</answer>``;
   the action is the whole tag (``"<search>q</search>"``). A response holding both tags, or one
   tag twice, is invalid (its first block is still sent).
+* ``"code"`` (AppWorld): ``<think>...</think>`` and ``<code>...</code>``; the action is the code,
+  case and indentation kept.
 
 **Reference formats** (``"reference_<env>"``, see :data:`REFERENCE_FORMATS`): the parsing rules of
 verl-agent's ``env_package/*/projection.py``, rule for rule, so a model trained there sees the same
@@ -66,7 +68,7 @@ _CJK = re.compile(r"[\u2e80-\u2fff\u3040-\u30ff\u3100-\u31ff\u3400-\u4dbf\u4e00-
 _CJK_REFERENCE = re.compile(r"[\u4e00-\u9fff]")
 _TAG_CACHE: dict[str, re.Pattern] = {}
 
-OUR_FORMATS = ("tags", "json", "search")
+OUR_FORMATS = ("tags", "json", "search", "code")
 #: env name -> the tokens of the reference's Gym Cards projection (``gym_projection``), in its order.
 _CARD_TOKENS = {
     "numberline": ("-", "+"),
@@ -134,6 +136,9 @@ def _ours(response: str, fmt: str) -> tuple[str | None, bool]:
     if fmt == "tags":
         block = _block(response, "action")
         return (block[1].strip().lower() if block else None), valid
+    if fmt == "code":
+        block = _block(response, "code")
+        return (block[1] if block else None), valid
     if fmt == "search":
         first = _first_of(response)
         if first is None:

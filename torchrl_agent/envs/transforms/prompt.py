@@ -92,6 +92,27 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "{history}\n"
         "You have taken {step} turns. Latest information: {observation}"
     ),
+    "webshop": (
+        "You are an expert autonomous agent operating in the WebShop e-commerce environment. "
+        "First reason step by step about the current situation inside <think> </think>, then choose exactly one "
+        "admissible action and give it inside <action> </action>.\n"
+        "Your task is to: {task}\n"
+        "{history}\n"
+        "You have taken {step} steps. Your current observation is: {observation}\n"
+        "Your admissible actions of the current situation are: [{admissible_actions}]"
+    ),
+    "appworld": (
+        "I am your supervisor and you are a super intelligent AI Assistant whose job is to achieve my day-to-day "
+        "tasks completely autonomously. You interact with apps (e.g. spotify, venmo, simple_note) through their "
+        "APIs in a Python REPL: write code, read its output, write the next code. Useful APIs: "
+        "apis.api_docs.show_app_descriptions(), apis.api_docs.show_api_descriptions(app_name=...), "
+        "apis.api_docs.show_api_doc(app_name=..., api_name=...); apis.supervisor.show_account_passwords() gives my "
+        "passwords. When the task is done call apis.supervisor.complete_task() (with answer=... if it asks a "
+        "question). First reason inside <think> </think>, then give exactly one code block inside <code> </code>.\n"
+        "{task}\n"
+        "{history}\n"
+        "You have taken {step} steps. Output of your last code: {observation}"
+    ),
 }
 
 
