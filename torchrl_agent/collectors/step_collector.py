@@ -7,8 +7,8 @@ keys of the data contract (the README's "The data contract"): the step's input (
 ``admissible_actions``, ``anchor``, ``memory``, ``step_count``, ``("text", "prompt")``), the
 policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
 ``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
-``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``, ``truncated``, ``success``)
-and the ids (``group_id``, ``traj_id``).
+``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``,
+``truncated``, ``success``) and the ids (``group_id``, ``traj_id``).
 
 Generation is batched over the environments that are still running only: an environment that
 finished early takes no generation slot. ``lockstep=True`` reproduces the reference behaviour
