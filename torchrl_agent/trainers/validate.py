@@ -33,10 +33,10 @@ _AT_LEAST = {
     "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1,
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
-    "eval.retries": 0, "eval.chunk_episodes": 1,
+    "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
 }
 # finite and > 0
-_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout")
+_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
@@ -70,6 +70,10 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.similarity_threshold"):
+        value = _get(cfg, key)
+        if value is not None and not 0 <= value <= 1:
+            raise ConfigError(f"{key}={value}: must be in [0, 1]")
     if not 0 <= cfg.algorithm.gamma <= 1:
         raise ConfigError(f"algorithm.gamma={cfg.algorithm.gamma}: must be in [0, 1]")
     _check_template(cfg.env.template)
