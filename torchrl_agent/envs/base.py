@@ -2,7 +2,7 @@
 
 A :class:`TextGame` is one episode's rules, in plain Python with strings in and out. A
 :class:`TextEnv` steps a batch of ``num_groups * group_size`` games and speaks the data
-contract of ``DESIGN.md``:
+contract (the README's "The data contract"):
 
 =====================  ===========  ==========================================================
 key                    shape        meaning
