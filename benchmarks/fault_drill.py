@@ -96,8 +96,8 @@ def worker_killed(tmp: Path, log: _Log) -> dict:
     trainer.env.close()
     record = _records(tmp / "w")[0]
     return {"completed": True, "rows_lost": record["fault_rows_dropped"], "rows_lost_beyond_faulted": 0,
-            "episodes_faulted": record["env_faults"], "rows_trained": record["env_steps"] if "env_steps" in record
-            else None, "message": next(m for m in log.messages if "worker fault" in m)}
+            "episodes_faulted": record["env_faults"], "groups_dropped": record["fault_groups_dropped"],
+            "message": next(m for m in log.messages if "worker fault" in m)}
 
 
 def lr_inf(tmp: Path, log: _Log) -> dict:
@@ -136,10 +136,17 @@ def long_prompts(tmp: Path, log: _Log) -> dict:
                           "env.eval_episodes=1", "rollout.max_new_tokens=8", "progress=false", "warm_start.steps=0",
                           "iterations=1", "eval_every=0", f"run_dir={tmp / 'long'}"])
     trainer = Trainer(cfg)
+    collect, seen = trainer.collector.collect, {}
+
+    def collect_and_measure():
+        rows = collect()
+        seen.update(rows=rows.batch_size[0], prompt_tokens_max=int(rows["prompt_tokens"].max()))
+        return rows
+
+    trainer.collector.collect = collect_and_measure
     trainer.train()
     record = _records(tmp / "long")[0]
-    return {"completed": True, "rows_lost": record.get("fault_rows_dropped", 0), "rows": record["episode_length"] * 2,
-            "prompt_tokens_max": max(int(r) for r in [record.get("prompt_tokens_per_step", 0)]),
+    return {"completed": True, "rows_lost": record.get("fault_rows_dropped", 0), **seen,
             "prompt_budget": trainer.env.transform[1].max_prompt_tokens,
             "prompt_budget_truncations": record.get("prompt_budget_truncations", 0),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

@@ -417,3 +417,44 @@ def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path, caplog):
     record = json.loads(path.read_text(), parse_constant=strict)
     assert record == {"iteration": 0, "loss": None, "grad_norm": None, "success": 0.5, "nonfinite_metrics": 2}
     assert trainer.nonfinite_metrics == 2 and "grad_norm" in caplog.text
+
+
+class PoisonedNumberLine(NumberLineGame):
+    """NumberLine whose rewards turn NaN once ``poisoned`` is set (a reward model gone wrong)."""
+
+    poisoned = False
+
+    def step(self, action):
+        state, reward, terminated, success = super().step(action)
+        return state, float("nan") if PoisonedNumberLine.poisoned else reward, terminated, success
+
+
+register_env("poisoned_numberline", lambda **kw: TextEnv(PoisonedNumberLine, **{"max_steps": 3, **kw}))
+
+
+def test_a_diverging_run_stops_with_a_message_and_leaves_the_last_good_checkpoint(tmp_path, capsys):
+    """Rewards turn NaN after the first checkpoint: the gradients are NaN, the steps are skipped, the
+    run stops naming the likely causes, and the checkpoint on disk is the last finite one."""
+    import torchrl_agent.trainers.trainer as trainer_module
+
+    original = trainer_module.Trainer.save_checkpoint
+
+    def save_then_poison(self, path=None):
+        out = original(self, path)
+        PoisonedNumberLine.poisoned = True
+        return out
+
+    trainer_module.Trainer.save_checkpoint = save_then_poison
+    try:
+        code = main(["train", *SMALL, "env.name=poisoned_numberline", "iterations=3", "checkpoint_every=1",
+                     "algorithm.max_skipped_steps=1", f"run_dir={tmp_path}"])
+    finally:
+        trainer_module.Trainer.save_checkpoint = original
+        PoisonedNumberLine.poisoned = False
+    assert code == 1
+    assert "training diverged" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "checkpoints").glob("*.pt")] == ["iteration_00000.pt"]
+    state = torch.load(tmp_path / "checkpoints" / "iteration_00000.pt", weights_only=False)["model"]
+    assert all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["iteration"] for x in lines] == [0]
