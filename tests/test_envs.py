@@ -24,7 +24,7 @@ from torchrl_agent.envs.gymnasium_adapter import BabyAIGame, GymnasiumTextGame, 
 from torchrl_agent.envs.numberline import NumberLineGame
 from torchrl_agent.envs.sokoban import SokobanGame, generate_room, render_room, solve
 
-ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai"]
+ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai", "webshop"]
 
 GARBAGE = [
     "",
@@ -78,7 +78,8 @@ def test_garbage_actions_never_crash(name):
 @pytest.mark.parametrize("name", ENVS)
 def test_group_seeding(name):
     env = make_env(name, num_groups=4, group_size=3, seed=11)
-    obs = _strings(env.reset(), "observation")
+    td = env.reset()
+    obs = list(zip(_strings(td, "task"), _strings(td, "observation")))  # the initial state: task and page
     groups = [obs[g * 3 : (g + 1) * 3] for g in range(4)]
     for members in groups:
         assert len(set(members)) == 1  # a group shares its initial state

@@ -28,7 +28,7 @@ REAL_GAME = ("json_2.1.1/train/pick_heat_then_place_in_recep-Potato-None-SinkBas
              "trial_T20190908_231731_054988")
 SHARED = SHARED_DATA / "alfworld"
 FORMATS = {"search": "search", "ezpoints": "json", "points24": "json", "blackjack": "json"}
-ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai", "search", "alfworld"]
+ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai", "search", "alfworld", "webshop"]
 
 
 def env_kwargs(name, tmp_path_factory):
