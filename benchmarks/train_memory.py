@@ -31,6 +31,7 @@ and the same two ratios at the top level for the 151,936-vocabulary model::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -183,6 +184,8 @@ def child(args) -> dict:
     from torchrl_agent.trainers.cli import compose_config
 
     torch.set_num_threads(args.threads)
+    with contextlib.suppress(OSError):  # on a shared machine, this measurement is the one to stop first
+        Path("/proc/self/oom_score_adj").write_text("1000")
     rows_n, prompt, response = args.batch
     cfg = compose_config([
         f"model.path={args.folder}", "model.name=hf", "model.dtype=float32", "env.num_groups=1", "env.group_size=1",
