@@ -6,17 +6,19 @@ and the program runs as a single process (world size 1), unchanged.
 The pieces, in the order a trainer uses them::
 
     rank, world, device = init_distributed()          # process group: nccl on CUDA, gloo on CPU
-    model = shard_model(model.to(device), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = shard_model(model.to(device), mp_policy=policy)   # float32 master shards, bf16 compute
     optimizer = torch.optim.AdamW(model.parameters(), ...)   # after sharding: over the DTensor shards
     rows = broadcast_object(rows)                     # every rank holds the same rows
     for idx in minibatches:                           # the same order on every rank
         local, active = shard_indices(idx, rank, world)    # this rank's rows of the mini-batch
-        batch = ...                                   # log-probs of rows[local]; mask &= active
-        losses = loss_module(batch)
-        scale = distributed_loss_scale(batch["mask"], aggregation)
-        (scale * total_loss).backward()               # FSDP2 averages gradients over ranks
+        micro = token-budget parts of `local`         # see Trainer.micro_batches
+        weights, count = accumulation_weights([loss_units(lengths(m), aggregation) for m in micro])
+        for part, weight in zip(micro, weights):      # (ranks with fewer parts run weightless ones)
+            losses = loss_module(batch of rows[part])  # mask &= active
+            (weight * total_loss).backward()          # FSDP2 averages gradients over ranks
         grad_norm = clip_grad_norm(model.parameters(), max_norm)
-        optimizer.step()
+        optimizer.step()                              # (skipped when grad_norm is not finite)
     state = full_state_dict(model)                    # full weights on rank 0 (weight sync, checkpoints)
     optim = full_optimizer_state_dict(model, optimizer)   # checkpoints; load_full_*() to resume
 
@@ -26,7 +28,9 @@ its ``N`` tokens); rank ``r`` sees ``S_r / n_r`` over its own ``n_r`` tokens, an
 of ``S_r / n_r`` is *not* ``S / N`` when the ``n_r`` differ. :func:`distributed_loss_scale` returns
 ``W * n_r / N`` (``N`` all-reduced), so that ``mean_r(W * n_r / N * S_r / n_r) = S / N``: the
 gradient is exactly the single-process gradient of the whole mini-batch. For the ``seq-mean-*``
-aggregations the counted units are rows (with at least one token) instead of tokens.
+aggregations the counted units are rows (with at least one token) instead of tokens. Micro-batches
+are the same sum one level down: micro-batch ``m`` of rank ``r`` is weighted ``W * n_m / N``
+(:func:`accumulation_weights`), and the accumulated, rank-averaged gradient is again ``S / N``'s.
 """
 
 from __future__ import annotations
