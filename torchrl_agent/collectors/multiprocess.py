@@ -302,6 +302,8 @@ class MultiProcessStepCollector(BaseCollector):
         collector.shutdown()
     """
 
+    init_random_frames = 0  # read by TorchRL's Trainer
+
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
                  replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0):
