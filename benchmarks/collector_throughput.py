@@ -322,18 +322,23 @@ def _run_multi(args, engine: dict, processes: int) -> dict:
         max_batches_ahead=args.ahead)
     startup = time.perf_counter() - t0
     try:
-        busy0 = collector.engine_stats()["busy_s"]
+        before = collector.engine_stats()
         rows, shard_s = [], []
         t0 = time.perf_counter()
         for batch in collector:
             rows += _row_keys(batch)
             shard_s.append(collector.stats["shard_collect_time_s"])
         elapsed = time.perf_counter() - t0
-        engine_busy = collector.engine_stats()["busy_s"] - busy0
+        after = collector.engine_stats()
+        engine_busy = after["busy_s"] - before["busy_s"]
+        engine_steps = after["engine_steps"] - before["engine_steps"]
+        mean_batch = (after["requests_x_steps"] - before["requests_x_steps"]) / max(engine_steps, 1)
     finally:
         collector.shutdown()
     return {"time_s": elapsed, "rows": len(rows), "env_steps_per_s": len(rows) / elapsed, "startup_s": startup,
             "engine_busy_s": engine_busy, "engine_busy_fraction": engine_busy / elapsed,
+            "engine_steps": engine_steps, "engine_s_per_step": engine_busy / max(engine_steps, 1),
+            "engine_mean_batch": mean_batch,
             "shard_collect_time_s": shard_s, "row_keys": rows}
 
 

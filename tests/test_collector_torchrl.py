@@ -106,3 +106,26 @@ def test_shards_replay_the_single_process_episodes_and_ids(tokenizer):
         shards += rows_of(collector)
     assert sorted(shards) == single
     assert len({r[3] for r in single if r[2] == 0}) > 1  # the groups really start from different games
+
+
+def test_torchrl_grpo_trainer_drives_the_collector(tokenizer):
+    """TorchRL's own GRPOTrainer loop: it iterates the collector, samples the replay buffer the
+    collector fills (advantages from the postproc) and steps the optimiser."""
+    from tensordict import TensorDict
+    from torchrl.trainers.algorithms.grpo import GRPOTrainer
+
+    rb = ReplayBuffer(storage=LazyStackStorage(1000), batch_size=4)
+    collector = StepCollector(make(tokenizer, 1, 2, max_steps=3), ExpertOrJunk(tokenizer, junk_or_expert), seed=0,
+                              total_frames=6, replay_buffer=rb, postproc=GiGPOAdvantage())
+    weight = torch.nn.Parameter(torch.zeros(()))
+
+    class Loss(torch.nn.Module):  # reads the sampled rows' advantages; pulls the weight towards 1
+        def forward(self, td):
+            return TensorDict({"loss_objective": (weight - 1) ** 2 + 0 * td["advantage"].float().sum()})
+
+    trainer = GRPOTrainer(collector=collector, total_frames=6, loss_module=Loss(), replay_buffer=rb,
+                          optimizer=torch.optim.SGD([weight], lr=0.1), optim_steps_per_batch=1,
+                          weight_sync_sender=None, progress_bar=False, log_rewards=False)
+    trainer.train()
+    assert collector.stats()["frames"] >= 6 and len(rb) == collector.stats()["frames"]
+    assert 0 < float(weight) < 1  # the optimiser stepped on the sampled rows

@@ -145,7 +145,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
     owner: dict[str, tuple[int, int, int]] = {}  # engine request id -> (rank, call, index)
     held: list = []  # calls that arrived while a weight update waits for the running batch
     pending_weights = None
-    busy_s, engine_steps = 0.0, 0  # time spent in engine.step (where the engine's time goes)
+    busy_s, engine_steps, batched = 0.0, 0, 0  # time in engine.step, steps, requests summed over steps
 
     def answer_if_complete(key):
         if calls[key][1] == 0:
@@ -181,7 +181,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
                 if message[0] == "stop":
                     return
                 if message[0] == "stats":
-                    acks.put(("stats", {"busy_s": busy_s, "engine_steps": engine_steps}))
+                    acks.put(("stats", {"busy_s": busy_s, "engine_steps": engine_steps, "requests_x_steps": batched}))
                 elif message[0] == "weights":
                     pending_weights = message[1]
                 elif pending_weights is not None:
@@ -199,6 +199,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
                     admit(message)
                 held = []
             if engine.has_unfinished_requests():
+                batched += engine.get_num_unfinished_requests()
                 t0 = time.perf_counter()
                 outputs = engine.step()
                 busy_s, engine_steps = busy_s + time.perf_counter() - t0, engine_steps + 1
@@ -300,6 +301,8 @@ class MultiProcessStepCollector(BaseCollector):
             collector.update_policy_weights_(model.state_dict())
         collector.shutdown()
     """
+
+    init_random_frames = 0  # read by TorchRL's Trainer
 
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
@@ -454,7 +457,9 @@ class MultiProcessStepCollector(BaseCollector):
         self._restart_at(("load", dict(state)), state["batches"])
 
     def engine_stats(self) -> dict:
-        """The engine server's counters: ``busy_s`` (seconds spent in ``engine.step``), ``engine_steps``."""
+        """The engine server's counters: ``busy_s`` (seconds spent in ``engine.step``), ``engine_steps``
+        and ``requests_x_steps`` (unfinished requests summed over the steps: over ``engine_steps``, the
+        mean batch)."""
         self._requests.put(("stats",))
         kind, detail = self._wait(self._acks, "the engine server's counters")
         if kind != "stats":

@@ -81,6 +81,8 @@ class StepCollector(BaseCollector):
     progress snapshot (``frames``, ``batches``, ``total_frames``, ...).
     """
 
+    init_random_frames = 0  # read by TorchRL's Trainer: no random warm-up frames
+
     def __init__(self, env: EnvBase, policy: LLMPolicy, *, projection: ActionProjection | None = None,
                  seed: int = 0, lockstep: bool = False, progress: bool = False, total_frames: int = -1,
                  total_batches: int | None = None, replay_buffer=None, postproc=None,
