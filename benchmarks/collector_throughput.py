@@ -88,7 +88,7 @@ def warm_started_model(steps: int, seed: int):
     """The tiny model after ``steps`` supervised steps on NumberLine's expert (as the trainer does).
 
     The weights are cached in the temp folder (``torchrl_agent_bench/``), keyed by steps and seed."""
-    cfg = compose_config([f"seed={seed}", f"warm_start.steps={steps}", "progress=false"])
+    cfg = compose_config(["experiment=smoke", f"seed={seed}", f"warm_start.steps={steps}", "progress=false"])
     model, tokenizer = load_model(cfg.model)
     cache = os.path.join(tempfile.gettempdir(), "torchrl_agent_bench", f"numberline_warm{steps}_seed{seed}.pt")
     if os.path.exists(cache):

@@ -44,7 +44,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SMALL = ["eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "rollout.max_new_tokens=8",
+SMALL = ["experiment=smoke", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "rollout.max_new_tokens=8",
          "progress=false", "warm_start.steps=0", "iterations=1"]
 
 
@@ -132,7 +132,7 @@ def long_prompts(tmp: Path, log: _Log) -> dict:
     from torchrl_agent.trainers import Trainer
     from torchrl_agent.trainers.cli import compose_config
 
-    cfg = compose_config(["env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1", "env.group_size=2",
+    cfg = compose_config(["experiment=smoke", "env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1", "env.group_size=2",
                           "env.eval_episodes=1", "rollout.max_new_tokens=8", "progress=false", "warm_start.steps=0",
                           "iterations=1", "eval_every=0", f"run_dir={tmp / 'long'}"])
     trainer = Trainer(cfg)
@@ -212,7 +212,7 @@ def _retrieval_fault(mode: str, tmp: Path, log: _Log, workers: int = 0) -> dict:
     endpoint, endpoint_url = _scripted_endpoint(
         (lambda: _stop(retrieval)) if mode == "dead" else None)  # the server dies after the health check
     try:
-        cfg = compose_config(["env=search", "env.eval_episodes=4", "eval.chunk_episodes=4", "progress=false",
+        cfg = compose_config(["experiment=smoke", "env=search", "env.eval_episodes=4", "eval.chunk_episodes=4", "progress=false",
                               f"env.num_workers={workers}", f"eval.endpoint={endpoint_url}"])
         cfg.env.kwargs.update(retriever=retrieval_url + "/retrieve", retriever_timeout=1.0, retriever_retries=1)
         before = len(log.messages)
@@ -258,7 +258,7 @@ def endpoint_garbage(tmp: Path, log: _Log) -> dict:
 
     server, url = _serve(Handler)
     try:
-        cfg = compose_config(["env.eval_episodes=16", "env.max_steps=5", "eval.timeout=1", "eval.retries=0",
+        cfg = compose_config(["experiment=smoke", "env.eval_episodes=16", "env.max_steps=5", "eval.timeout=1", "eval.retries=0",
                               "progress=false", f"eval.endpoint={url}"])
         result = evaluate_policy(cfg)
     finally:

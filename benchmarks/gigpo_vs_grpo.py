@@ -76,7 +76,7 @@ def warm_start_model(seed: int, args, root: str) -> str:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = compose_config([f"seed={seed}", f"warm_start.steps={args.warm_steps}",
+    cfg = compose_config(["experiment=smoke", f"seed={seed}", f"warm_start.steps={args.warm_steps}",
                           f"warm_start.episodes={args.warm_episodes}", "progress=false"])
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_model(cfg.model)

@@ -188,7 +188,7 @@ def child(args) -> dict:
         Path("/proc/self/oom_score_adj").write_text("1000")
     rows_n, prompt, response = args.batch
     cfg = compose_config([
-        f"model.path={args.folder}", "model.name=hf", "model.dtype=float32", "env.num_groups=1", "env.group_size=1",
+        "experiment=smoke", f"model.path={args.folder}", "model.name=hf", "model.dtype=float32", "env.num_groups=1", "env.group_size=1",
         "progress=false", f"run_dir={args.run_dir}", "algorithm.kl_coef=0.01", "algorithm.epochs=1",
         f"algorithm.minibatch_size={rows_n}", f"algorithm.micro_batch_tokens={args.micro_batch_tokens}",
         f"algorithm.logprob_chunk_tokens={args.chunk_tokens}", "rollout.logprob_warn_threshold=1e9",

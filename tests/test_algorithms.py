@@ -11,14 +11,14 @@ import torch
 from torchrl_agent.trainers.algorithm import ALGORITHMS
 from torchrl_agent.trainers.cli import compose_config, config_dir, main
 
-TINY = ["iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
+TINY = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
         "env.max_steps=2", "warm_start.steps=0", "rollout.max_new_tokens=6", "progress=false",
         "algorithm.lr=1e-3", "algorithm.minibatch_size=8", "threads=1"]
 CONFIGS = sorted(p.stem for p in (config_dir() / "algorithm").glob("*.yaml"))
 
 
 def test_every_algorithm_has_a_config():
-    names = {compose_config([f"algorithm={c}"]).algorithm.name for c in CONFIGS}
+    names = {compose_config(["experiment=smoke", f"algorithm={c}"]).algorithm.name for c in CONFIGS}
     assert names == set(ALGORITHMS)
 
 
@@ -64,13 +64,13 @@ def test_kl_in_reward_with_the_adaptive_controller_trains(tmp_path):
 
 
 def test_unknown_algorithm_lists_the_valid_ones(tmp_path, capsys):
-    assert main(["train", "algorithm=magic", f"run_dir={tmp_path}"]) == 2
+    assert main(["train", "experiment=smoke", "algorithm=magic", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "magic" in err and all(name in err for name in ("grpo", "gigpo", "ppo", "dapo", "gspo"))
-    assert main(["train", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
+    assert main(["train", "experiment=smoke", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "algorithm.name" in err and all(name in err for name in ALGORITHMS)
-    assert main(["train", "algorithm.kl_type=k9", f"run_dir={tmp_path}"]) == 2
+    assert main(["train", "experiment=smoke", "algorithm.kl_type=k9", f"run_dir={tmp_path}"]) == 2
     assert "algorithm.kl_type" in capsys.readouterr().err
     assert not list(Path(tmp_path).glob("*.jsonl"))
 

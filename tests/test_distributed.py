@@ -277,7 +277,7 @@ def _trainer_worker(out_path: str, run_dir: str) -> None:
     from torchrl_agent.trainers.cli import compose_config
 
     torch.set_num_threads(1)
-    cfg = compose_config(["env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2",
+    cfg = compose_config(["experiment=smoke", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2",
                           "rollout.max_new_tokens=6", "progress=false", "eval_every=0", "iterations=1", "warm_start.steps=0",
                           "model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.micro_batch_tokens=64",
                           "algorithm.minibatch_size=4", "device=cpu", f"run_dir={run_dir}"])

@@ -21,7 +21,7 @@ from torchrl_agent.envs.base import GameState, TextEnv, TextGame
 from torchrl_agent.envs.numberline import NumberLineGame
 from torchrl_agent.trainers.cli import compose_config, main
 
-SMALL = ["iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
+SMALL = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
          "env.max_steps=3", "rollout.max_new_tokens=6", "progress=false", "algorithm.kl_coef=0", "warm_start.steps=0"]
 
 
@@ -43,13 +43,13 @@ SMALL = ["iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2",
     ("iterations=abc", "could not be converted to Integer"),
 ])
 def test_bad_values_fail_at_start_naming_the_key(override, needle, capsys):
-    assert main(["train", override]) == 2
+    assert main(["train", "experiment=smoke", override]) == 2
     err = capsys.readouterr().err
     assert "invalid config" in err and needle in err, err
 
 
 def test_a_template_with_the_placeholder_is_accepted():
-    cfg = compose_config(["env.template='State: {observation}. Act.'"])
+    cfg = compose_config(["experiment=smoke", "env.template='State: {observation}. Act.'"])
     assert cfg.env.template == "State: {observation}. Act."
 
 
@@ -99,7 +99,7 @@ def test_sokoban_full_memory_200_steps_stays_within_the_default_budget(tokenizer
 
     from torchrl_agent.trainers.trainer import build_env, prompt_budget
 
-    cfg = compose_config(["env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1",
+    cfg = compose_config(["experiment=smoke", "env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1",
                           "env.group_size=1"])
     budget = prompt_budget(cfg, tokenizer)
     assert budget == 2048
@@ -321,9 +321,9 @@ def test_a_failing_retriever_in_a_worker_truncates_with_worker_fault():
 
 
 def test_env_num_workers_is_a_config_key():
-    cfg = compose_config(["env.num_workers=2"])
+    cfg = compose_config(["experiment=smoke", "env.num_workers=2"])
     assert cfg.env.num_workers == 2
-    assert main(["train", "env.num_workers=-1"]) == 2
+    assert main(["train", "experiment=smoke", "env.num_workers=-1"]) == 2
 
 
 # ----------------------------------------------------------------------------------- checkpoints, resume, logs

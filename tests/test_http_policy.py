@@ -379,7 +379,7 @@ def test_eval_on_a_garbage_endpoint_costs_episodes_not_the_panel(capsys):
     # every answer is an invalid move (episodes run their 3 steps): 12 requests, the 8th is garbage
     srv = _Garbage(modes=("ok",) * 7 + ("non_utf8",))
     try:
-        args = ["eval", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.timeout=1",
+        args = ["eval", "experiment=smoke", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.timeout=1",
                 "eval.retries=0", "eval.chunk_episodes=2", "progress=false"]
         assert main(args) == 0
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -397,7 +397,7 @@ def test_eval_interrupted_prints_the_finished_chunks(capsys):
     # Ctrl-C arrives with the first request of the second chunk
     srv = _Garbage(interrupt_at=6)
     try:
-        args = ["eval", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.retries=0",
+        args = ["eval", "experiment=smoke", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.retries=0",
                 "eval.chunk_episodes=2", "progress=false"]
         assert main(args) == 130
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

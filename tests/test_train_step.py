@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchrl_agent.modules import ResponseLogProbs, pad_rows
 from torchrl_agent.trainers.cli import compose_config
 
-SMALL = ["env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=3", "rollout.max_new_tokens=8",
+SMALL = ["experiment=smoke", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=3", "rollout.max_new_tokens=8",
          "progress=false", "eval_every=0", "warm_start.steps=0"]
 
 

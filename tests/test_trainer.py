@@ -8,7 +8,7 @@ import pytest
 
 from torchrl_agent.trainers.cli import compose_config, main
 
-SMALL = ["iterations=2", "eval_every=1", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=4",
+SMALL = ["experiment=smoke", "iterations=2", "eval_every=1", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=4",
          "env.max_steps=3", "warm_start.steps=2", "warm_start.episodes=4", "rollout.max_new_tokens=8",
          "progress=false"]
 
@@ -55,15 +55,15 @@ def test_training_changes_the_weights_and_rewards_move_the_loss(tmp_path):
     ("memory=forgetful", "forgetful"),
 ])
 def test_broken_config_fails_at_start_naming_the_key(override, needle, capsys):
-    assert main(["train", override]) == 2
+    assert main(["train", "experiment=smoke", override]) == 2
     err = capsys.readouterr().err
     assert "invalid config" in err and needle in err
 
 
 def test_unknown_names_fail_at_start(tmp_path, capsys):
-    assert main(["train", "env.name=chess", f"run_dir={tmp_path}"]) == 2
+    assert main(["train", "experiment=smoke", "env.name=chess", f"run_dir={tmp_path}"]) == 2
     assert "chess" in capsys.readouterr().err
-    assert main(["train", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
+    assert main(["train", "experiment=smoke", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
     assert "algorithm.name" in capsys.readouterr().err
 
 
@@ -92,7 +92,7 @@ def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
     assert main(["train", *SMALL, "iterations=1", "eval_every=0", f"run_dir={tmp_path}"]) == 0
     capsys.readouterr()
     checkpoint = tmp_path / "checkpoints" / "last.pt"
-    args = ["eval", "env.eval_episodes=4", "env.max_steps=3", "rollout.max_new_tokens=8", "progress=false",
+    args = ["eval", "experiment=smoke", "env.eval_episodes=4", "env.max_steps=3", "rollout.max_new_tokens=8", "progress=false",
             f"eval.checkpoint={checkpoint}"]
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -100,7 +100,7 @@ def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
     assert main(args) == 0  # the same panel and seed: the same result
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["success"] == first["success"] and again["episode_reward"] == first["episode_reward"]
-    assert main(["eval", "eval.checkpoint=/nonexistent.pt"]) == 2
+    assert main(["eval", "experiment=smoke", "eval.checkpoint=/nonexistent.pt"]) == 2
     assert "eval.checkpoint" in capsys.readouterr().err
 
 
