@@ -232,6 +232,7 @@ class DenseRetriever(Retriever):
             fd, tmp = tempfile.mkstemp(prefix=self.embeddings_path.name + ".", dir=self.embeddings_path.parent)
             with os.fdopen(fd, "wb") as f:
                 np.save(f, self.embeddings)
+            os.chmod(tmp, 0o644)  # a cache others on the machine may read
             os.replace(tmp, self.embeddings_path)
         except OSError:  # a read-only disk: keep the embeddings in memory
             pass
