@@ -69,8 +69,10 @@ def train_steps(model, optimizer=None, *, aggregation="token-mean", micro_batch_
         noise = torch.randn(full["log_prob"].shape, generator=torch.Generator().manual_seed(7))
         old = (full["log_prob"] + 0.3 * noise) * full["mask"]
         ref = (full["log_prob"] - 0.1 * noise.flip(-1)) * full["mask"]
+    # seq-mean-token-sum-norm divides by a constant length, as the trainer passes (rollout.max_new_tokens):
+    # its default, the padded width, differs between a micro-batch and the whole mini-batch
     loss_module = ClipPolicyLoss(eps_low=0.2, eps_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01,
-                                 aggregation=aggregation)
+                                 aggregation=aggregation, norm_length=16)
     optimizer = optimizer or torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     out = {"loss": [], "grad_norm": [], "clip_fraction": []}
     for idx in MINIBATCHES:

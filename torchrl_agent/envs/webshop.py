@@ -612,8 +612,8 @@ class WebShopEnv(TextEnv):
         spec["task_score"] = Unbounded(shape=(*self.batch_size, 1), dtype=torch.float32)
         self.observation_spec = spec
 
-    def _observation_td(self, reward, terminated, truncated):
-        td = super()._observation_td(reward, terminated, truncated)
+    def _observation_td(self, reward, terminated, truncated, env_fault=None):
+        td = super()._observation_td(reward, terminated, truncated, env_fault)
         scores = np.array([game.task_score for game in self.games], dtype=np.float32)
         td.set("task_score", torch.from_numpy(scores).unsqueeze(-1))
         return td
