@@ -255,8 +255,10 @@ def test_fsdp2_micro_batches_accumulate_the_whole_minibatch_gradient(tiny_path, 
     split = dist_result["accumulation"][aggregation]
     torch.testing.assert_close(split["loss"], single["loss"], atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(split["grad_norm"], single["grad_norm"], atol=1e-6, rtol=1e-5)
+    # the weights after AdamW: an element whose gradient is rounding noise (~1e-9) moves by a noise-driven
+    # fraction of lr (Adam divides by the gradient's own scale), so allow 5% of one step (lr 1e-3)
     for name, value in single["state"].items():
-        torch.testing.assert_close(split["state"][name], value, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(split["state"][name], value, atol=5e-5, rtol=0, msg=name)
 
 
 def test_fsdp2_bf16_mixed_precision_keeps_fp32_master_weights(tiny_path, dist_result):
