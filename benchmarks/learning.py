@@ -21,7 +21,7 @@ Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON
 line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "methods": {"grpo":
 M, "gigpo": M}}}}``::
 
-    python benchmarks/learning.py [--tasks sokoban ezpoints] [--seeds 0 1 2 3 4] [--jobs 2]
+    python benchmarks/learning.py [--tasks ezpoints sokoban] [--seeds 0 1 2 3 4] [--jobs 2]
                                   [--iterations N] [--threshold 0.5] [--out runs/learning] [--quick]
 
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel).
@@ -294,7 +294,8 @@ def plot(result: dict, path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    # Sokoban is opt-in: at 70-200 s an iteration on 2 shared cores its 5 x 2 runs do not fit the budget
+    parser.add_argument("--tasks", nargs="+", default=["ezpoints"], choices=list(TASKS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--jobs", type=int, default=2)
