@@ -38,7 +38,7 @@ def test_tiny_large_model_reads_grids_and_tags():
     assert response == "<think></think><action>up</action>"
     assert tok.tokenize(response) == ["<think>", "</think>", "<action>", "up", "</action>"]
     assert project_action(response) == ("up", True)
-    assert project_action(expert_response("3", "json", think="")) == ("3", True)
+    assert project_action(expert_response("3", "json", think=""), "json") == ("3", True)
 
 
 def test_advantage_stats_counts_groups_without_signal():
