@@ -38,7 +38,7 @@ import pickle
 import queue
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -416,18 +416,9 @@ class MultiProcessStepCollector(BaseCollector):
                                         "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
         return lazy_stack(rows)
 
-    def iterator(self) -> Iterator[TensorDictBase | None]:
-        while not StepCollector._budget_spent(self):
-            rows = self.collect()
-            if self.postproc is not None:
-                rows = self.postproc(rows)
-            if self.post_collect_hook is not None:
-                self.post_collect_hook(rows)
-            if self.replay_buffer is not None:
-                self.replay_buffer.extend(rows)
-                yield None
-            else:
-                yield rows
+    # the same loop and budget as the single-process collector's
+    iterator = StepCollector.iterator
+    _budget_spent = StepCollector._budget_spent
 
     @property
     def _iter(self) -> int:
