@@ -22,7 +22,10 @@ key            shape/dtype   meaning
 ``advantage``  [N,1] float   written
 ============== ============= ===========================================================
 
-``[N]`` and ``[N, 1]`` are both accepted for every input.
+``[N]``, ``[N, 1]`` and TorchRL's ``[N, 1, 1]`` are accepted for every per-row input (e.g.
+``set_keys(reward=("next", "reward"))`` on collector data); a tensordict with several batch
+dims (e.g. ``[B, T]``) is read as its ``B * T`` rows and ``advantage`` is written back as
+``[B, T, 1]`` (see :mod:`._inputs`).
 
 They are TorchRL :class:`~torchrl.envs.transforms.Transform` s, usable two ways:
 
@@ -42,6 +45,7 @@ from tensordict import NestedKey, TensorDictBase
 from torchrl.envs.transforms import Transform
 
 from torchrl_agent.objectives import functional as F
+from torchrl_agent.objectives._inputs import as_rows
 from torchrl_agent.objectives._keys import KeysMixin
 
 __all__ = ["GiGPOAdvantage", "GRPOAdvantage", "GRPOPassKAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
@@ -91,22 +95,27 @@ class _RowAdvantage(KeysMixin, Transform):
         value = td.get(key, None)
         if value is None and required:
             raise KeyError(f"{type(self).__name__}: key {key!r} (`{name}`) not found in the tensordict.")
-        return value
+        return as_rows(value, td.numel()) if isinstance(value, torch.Tensor) else value
 
     def _compute(self, reward, group_id, traj_id, valid, step, anchor) -> torch.Tensor:
         raise NotImplementedError
 
     def _penalty(self) -> torch.Tensor | None:
         """The optional ``kl_penalty`` of the rows being computed (set by :meth:`compute`)."""
-        return self._td.get(self.tensor_keys.kl_penalty, None)
+        return self._get(self._td, "kl_penalty", required=False)
 
     def compute(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Writes ``advantage`` [N, 1] into ``tensordict`` (batch [N]) in place and returns it."""
-        if tensordict.ndim != 1:
+        """Writes ``advantage`` [N, 1] into ``tensordict`` (batch [N]) in place and returns it.
+        A batch of several dims ``[B, T]`` is read as ``B * T`` rows (written as ``[B, T, 1]``)."""
+        if tensordict.ndim == 0:
             raise ValueError(
-                f"{type(self).__name__} expects a tensordict of rows with one batch dim [N], "
+                f"{type(self).__name__} expects a tensordict of rows (batch [N] or [B, T]), "
                 f"got batch_size {tuple(tensordict.batch_size)}."
             )
+        if tensordict.ndim > 1:
+            adv = self.compute(tensordict.reshape(-1)).get(self.tensor_keys.advantage)
+            tensordict.set(self.tensor_keys.advantage, adv.reshape(*tensordict.batch_size, *adv.shape[1:]))
+            return tensordict
         reward = self._get(tensordict, "reward")
         step = self._get(tensordict, "step_count") if self._needs_steps else None
         anchor = self._get(tensordict, "anchor") if self._needs_steps else None

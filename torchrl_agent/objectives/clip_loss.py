@@ -10,6 +10,8 @@ from tensordict import NestedKey, TensorDict, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torchrl.objectives.common import LossModule
 
+from torchrl_agent.objectives._inputs import broadcast_advantage, get_tokens, length_mask
+
 __all__ = ["ClipPolicyLoss", "aggregate", "kl_estimate", "AGGREGATIONS", "KL_TYPES"]
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -91,8 +93,12 @@ class ClipPolicyLoss(LossModule):
     - ``old_log_prob`` [N, T]: policy at collection time (no grad);
     - ``ref_log_prob`` [N, T]: reference policy, only needed when ``kl_coef > 0``;
     - ``entropy`` [N, T] (optional): per-token entropy of the current policy;
-    - ``mask`` [N, T] bool: True on response tokens;
-    - ``advantage`` [N], [N, 1] or [N, T].
+    - ``mask`` [N, T] bool: True on response tokens; when the key is absent, derived from the
+      lengths of a ragged ``log_prob``/``old_log_prob`` (all True for dense ones);
+    - ``advantage`` [N], [N, 1], [N, 1, 1] or [N, T].
+
+    Per-token entries may be TorchRL's ragged lazy stacks (e.g. ``set_keys(old_log_prob=("log_probs",
+    "response"))`` on collector data): they are read right-padded, see :mod:`._inputs`.
 
     Output tensordict (no batch dim): ``loss_objective``, ``loss_kl``, ``loss_entropy`` and the
     detached diagnostics ``clip_fraction`` (share of tokens where the clipped branch is active),
@@ -135,6 +141,8 @@ class ClipPolicyLoss(LossModule):
 
     default_keys = _AcceptedKeys
     _loss_mask_key = None
+    out_keys = ["loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "kl", "kl_ref", "entropy",
+                "ratio_mean"]
 
     def __init__(
         self,
@@ -172,7 +180,9 @@ class ClipPolicyLoss(LossModule):
         self.eps_low, self.eps_high = float(eps_low), float(eps_high)
         self.dual_clip = None if dual_clip is None else float(dual_clip)
         self.aggregation = aggregation
-        self.kl_coef, self.entropy_coef = float(kl_coef), float(entropy_coef)
+        # buffers (TorchRL's LossModule convention): they follow ``.to(device)`` and the state dict
+        self.register_buffer("kl_coef", torch.tensor(float(kl_coef)))
+        self.register_buffer("entropy_coef", torch.tensor(float(entropy_coef)))
         self.ratio = ratio
         self.max_log_ratio = float(max_log_ratio)
         self.kl_type = kl_type
@@ -208,23 +218,31 @@ class ClipPolicyLoss(LossModule):
 
     @staticmethod
     def _broadcast_advantage(adv: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        if adv.shape == shape:
-            return adv
-        if adv.ndim == 2 and adv.shape[-1] == 1:
-            adv = adv.squeeze(-1)
-        if adv.ndim != 1 or adv.shape[0] != shape[0]:
-            raise ValueError(f"`advantage` must have shape [N], [N, 1] or {tuple(shape)}, got {tuple(adv.shape)}.")
-        return adv.unsqueeze(-1).expand(shape)
+        return broadcast_advantage(adv, shape)
+
+    def _tokens(self, td: TensorDictBase, name: str, required: bool = True):
+        """A per-token entry as ``([N, T], lengths or None)``, ragged lazy stacks right-padded."""
+        value, lengths = get_tokens(td, getattr(self.tensor_keys, name))
+        if value is None and required:
+            raise KeyError(f"{type(self).__name__}: key {getattr(self.tensor_keys, name)!r} (`{name}`) "
+                           "not found in the tensordict.")
+        return value, lengths
 
     def _inputs(self, tensordict: TensorDictBase):
         if self.actor_network is not None:
             tensordict = self.actor_network(tensordict.copy())  # shallow copy: the input is not modified
-        mask = self._get(tensordict, "mask")
+        log_prob, lengths = self._tokens(tensordict, "log_prob")
+        old_log_prob, old_lengths = self._tokens(tensordict, "old_log_prob")
+        mask, _ = get_tokens(tensordict, self.tensor_keys.mask, padding_value=False)
+        if mask is None:  # no mask key: the lengths of ragged log-probs, else every token
+            lengths = lengths if lengths is not None else old_lengths
+            mask = (length_mask(lengths, log_prob.shape[-1]) if lengths is not None
+                    else torch.ones(log_prob.shape, dtype=torch.bool, device=log_prob.device))
         if mask.ndim != 2:
             raise ValueError(f"`mask` must have shape [N, T], got {tuple(mask.shape)}.")
         mask = mask.bool()
-        log_prob = self._check_tokens("log_prob", self._get(tensordict, "log_prob"), mask.shape)
-        old_log_prob = self._check_tokens("old_log_prob", self._get(tensordict, "old_log_prob"), mask.shape)
+        log_prob = self._check_tokens("log_prob", log_prob, mask.shape)
+        old_log_prob = self._check_tokens("old_log_prob", old_log_prob, mask.shape)
         if old_log_prob.requires_grad:
             old_log_prob = old_log_prob.detach()
         adv = self._broadcast_advantage(self._get(tensordict, "advantage").detach(), mask.shape).to(log_prob.dtype)
@@ -271,14 +289,14 @@ class ClipPolicyLoss(LossModule):
             out["kl"] = torch.where(mask, old_log_prob - log_prob, 0.0).sum() / n_tokens
 
         if self.kl_coef > 0:
-            ref = self._get(tensordict, "ref_log_prob")
+            ref, _ = self._tokens(tensordict, "ref_log_prob")
             ref = self._check_tokens("ref_log_prob", ref, mask.shape).detach()
             kl = kl_estimate(log_prob, torch.where(mask, ref, log_prob.detach()), self.kl_type)
             kl_ref = aggregate(kl, mask, self.aggregation, self.norm_length)
             out["loss_kl"] = self.kl_coef * kl_ref
             out["kl_ref"] = kl_ref.detach()
 
-        entropy = self._get(tensordict, "entropy", required=False)
+        entropy, _ = self._tokens(tensordict, "entropy", required=False)
         if entropy is not None:
             entropy = self._check_tokens("entropy", entropy, mask.shape)
             ent = aggregate(entropy, mask, self.aggregation, self.norm_length)
