@@ -52,7 +52,7 @@ from torchrl_agent.trainers.cli import compose_config  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
-TASKS = ("sokoban", "ezpoints")
+TASKS = ("numberline", "ezpoints", "sokoban")
 
 
 class LearningTrainer(Trainer):
@@ -295,7 +295,7 @@ def plot(result: dict, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     # Sokoban is opt-in: at 70-200 s an iteration on 2 shared cores its 5 x 2 runs do not fit the budget
-    parser.add_argument("--tasks", nargs="+", default=["ezpoints"], choices=list(TASKS))
+    parser.add_argument("--tasks", nargs="+", default=["numberline", "ezpoints"], choices=list(TASKS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
     parser.add_argument("--jobs", type=int, default=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 
 import torch
@@ -78,3 +79,48 @@ def test_summary_reports_success_after_warm_start(tmp_path):
     curve = dict(summary["eval_curve"])
     assert summary["eval_success_after_warm_start"] == curve[0]
     assert summary["eval_success_last"] == curve[1]
+
+
+def test_numberline_distance_bounds_hold_for_every_seed():
+    from torchrl_agent.envs.numberline import NumberLineGame
+
+    game = NumberLineGame(max_position=9, min_distance=6, max_distance=9)
+    distances = set()
+    for seed in range(200):
+        game.reset(seed)
+        distances.add(abs(game.target - game.position))
+    assert distances == {6, 7, 8, 9}
+    try:
+        NumberLineGame(max_position=5, min_distance=6)
+    except ValueError as err:
+        assert "min_distance" in str(err)
+    else:
+        raise AssertionError("an impossible distance range was accepted")
+
+
+def test_expert_noise_makes_the_demonstrator_act_at_random_at_that_rate():
+    """epsilon = 0: every demonstrated action is the expert's; epsilon = 1: about half of the
+    NumberLine demonstrations (two actions) disagree with the expert, and the data stays valid."""
+    from transformers import AutoTokenizer
+
+    from torchrl_agent.models.tiny import build_tiny_model
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.warm_start import expert_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+
+    def disagreement(noise: float) -> float:
+        cfg = compose_config(["experiment=smoke", "env.num_groups=8", "env.group_size=1",
+                              f"warm_start.expert_noise={noise}", "warm_start.think="])
+        rows = expert_rows(cfg, tokenizer, episodes=64)
+        wrong = 0
+        for row in rows.unbind(0):
+            prompt, response = (tokenizer.decode(row["tokens", key]) for key in ("prompt", "response"))
+            pos, target = (int(x) for x in re.findall(r"Position: (\d+)\. Target: (\d+)\.", prompt)[-1])
+            expert = "+" if target > pos else "-"
+            assert response.count("<action>") == 1
+            wrong += f"<action>{expert}</action>" not in response
+        return wrong / rows.batch_size[0]
+
+    assert disagreement(0.0) == 0.0
+    assert 0.3 < disagreement(1.0) < 0.7

@@ -1,5 +1,10 @@
 """NumberLine (Gym Cards) as text: walk a marker to a target on the line ``0..max_position``.
 
+Start and target are a distinct pair drawn from the seed (as gym-cards); ``min_distance`` and
+``max_distance`` (ours, default: any pair) keep only pairs that far apart, which makes a long line a
+task a random walk rarely solves (the learning benchmark's ``numberline`` task: 0..9,
+distance 6..9, 12 steps).
+
 Rules (as gym-cards' ``NumberLineEnv`` in verl-agent): actions ``-`` and ``+``; reward +1 on
 reaching the target (the episode ends, solved), -1 for a move that does not get closer (also a
 move into the end of the line), 0 otherwise; 10 steps at most. Any other action is a no-op with
@@ -20,14 +25,20 @@ class NumberLineGame(TextGame):
 
     ACTIONS = ("-", "+")
 
-    def __init__(self, max_position: int = 5):
-        self.max_position = max_position
+    def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None):
+        if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
+            raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
+                             f"({max_distance}) <= max_position ({max_position})")
+        self.max_position, self.min_distance = max_position, min_distance
+        self.max_distance = max_distance or max_position
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
         rng = np.random.default_rng(seed)
-        self.target, self.position = (int(x) for x in rng.choice(self.max_position + 1, size=2, replace=False))
-        return self._state()
+        while True:  # redraw until the distance is in [min_distance, max_distance] (the default: any pair)
+            self.target, self.position = (int(x) for x in rng.choice(self.max_position + 1, size=2, replace=False))
+            if self.min_distance <= abs(self.target - self.position) <= self.max_distance:
+                return self._state()
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         before = abs(self.position - self.target)
@@ -53,5 +64,7 @@ class NumberLineGame(TextGame):
 class NumberLineEnv(TextEnv):
     """A batch of NumberLine games. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
 
-    def __init__(self, *, max_position: int = 5, max_steps: int = 10, **kwargs):
-        super().__init__(lambda: NumberLineGame(max_position), max_steps=max_steps, **kwargs)
+    def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
+                 max_steps: int = 10, **kwargs):
+        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance),
+                         max_steps=max_steps, **kwargs)

@@ -110,6 +110,7 @@ class WarmStartConfig:
     batch_size: int = 32
     lr: float = 3e-3
     think: Optional[str] = None  # the expert response's <think> text ({action} filled in; "": empty; None: the format's default)
+    expert_noise: float = 0.0  # epsilon: the demonstrator takes a uniformly random admissible action with this probability
 
 
 @dataclass

@@ -70,7 +70,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
-    for key in ("algorithm.lr_warmup_ratio", "algorithm.similarity_threshold"):
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.similarity_threshold", "warm_start.expert_noise"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")

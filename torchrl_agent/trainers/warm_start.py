@@ -5,12 +5,20 @@ The expert's action is wrapped in the response format the projection expects,
 token, and the policy is trained by maximum likelihood on those responses for the prompts the
 expert's own episodes produce. Seeds come from a training stream offset from the RL one, never
 from the evaluation panel.
+
+``warm_start.expert_noise`` (epsilon) makes the demonstrator an epsilon-noisy expert: at each step,
+with probability epsilon, it takes (and the data records) a uniformly random admissible action
+instead of the expert's, and the episode goes on from there. Cloning it gives a policy that reads
+the state (its modal action is the expert's) but errs at a known rate: a deliberately weak
+starting point whose remaining gap only reinforcement learning can close (the learning
+benchmark's warm start).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.envs.utils import step_mdp
@@ -37,6 +45,8 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
 
     env = build_env(dataclasses.replace(cfg, seed=cfg.seed + WARM_START_SEED_OFFSET), tokenizer)
     n = env.batch_size[0]
+    noise = cfg.warm_start.expert_noise
+    rng = np.random.default_rng(cfg.seed + WARM_START_SEED_OFFSET)
     rows = []
     eos = tokenizer.eos_token_id
     for _ in range(max(1, episodes // n)):
@@ -46,6 +56,9 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
             for i in range(n):
                 if td["done"][i].item() or not experts[i]:
                     continue
+                admissible = td["admissible_actions"][i].split("\n") if noise > 0 else []
+                if noise > 0 and admissible != [""] and rng.random() < noise:
+                    experts[i] = str(rng.choice(admissible))  # the noisy demonstrator's own choice
                 prompt = td[i]["text", "prompt"]
                 response = tokenizer(expert_response(experts[i], resolve_format(cfg.env.action_format, cfg.env.name),
                                                      cfg.warm_start.think),

@@ -71,6 +71,10 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "{observation}\n"
         "Moves: {admissible_actions}"
     ),
+    "numberline_short": (
+        "Move the marker to the target: + right, - left.\n"
+        "{observation}"
+    ),
     "ezpoints_short": (
         "Write a formula equal to 12 using each card once, one token at a time, then =.\n"
         "{history}\n"
