@@ -124,3 +124,13 @@ def test_expert_noise_makes_the_demonstrator_act_at_random_at_that_rate():
 
     assert disagreement(0.0) == 0.0
     assert 0.3 < disagreement(1.0) < 0.7
+
+
+def test_numberline_invalid_reward_is_what_a_no_op_returns():
+    from torchrl_agent.envs.numberline import NumberLineGame
+
+    for reward in (0.0, -1.0):
+        game = NumberLineGame(max_position=9, min_distance=6, invalid_reward=reward)
+        before = game.reset(3).observation
+        state, r, terminated, truncated = game.step("jump")
+        assert (r, terminated, truncated, state.observation) == (reward, False, False, before)

@@ -8,7 +8,7 @@ distance 6..9, 12 steps).
 Rules (as gym-cards' ``NumberLineEnv`` in verl-agent): actions ``-`` and ``+``; reward +1 on
 reaching the target (the episode ends, solved), -1 for a move that does not get closer (also a
 move into the end of the line), 0 otherwise; 10 steps at most. Any other action is a no-op with
-reward 0 (the reference's unparseable action, index -1).
+reward ``invalid_reward`` (default 0: the reference's unparseable action, index -1).
 """
 
 from __future__ import annotations
@@ -25,12 +25,14 @@ class NumberLineGame(TextGame):
 
     ACTIONS = ("-", "+")
 
-    def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None):
+    def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
+                 invalid_reward: float = 0.0):
         if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
             raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
                              f"({max_distance}) <= max_position ({max_position})")
         self.max_position, self.min_distance = max_position, min_distance
         self.max_distance = max_distance or max_position
+        self.invalid_reward = float(invalid_reward)
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
@@ -43,8 +45,8 @@ class NumberLineGame(TextGame):
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         before = abs(self.position - self.target)
         move = {"-": -1, "+": 1}.get(action.strip() if isinstance(action, str) else "")
-        if move is None:  # not an action: nothing happens, reward 0
-            return self._state(), 0.0, False, False
+        if move is None:  # not an action: nothing happens (reward 0 in the reference)
+            return self._state(), self.invalid_reward, False, False
         self.position = min(max(self.position + move, 0), self.max_position)
         after = abs(self.position - self.target)
         if after == 0:
@@ -65,6 +67,6 @@ class NumberLineEnv(TextEnv):
     """A batch of NumberLine games. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 max_steps: int = 10, **kwargs):
-        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance),
+                 invalid_reward: float = 0.0, max_steps: int = 10, **kwargs):
+        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance, invalid_reward),
                          max_steps=max_steps, **kwargs)
