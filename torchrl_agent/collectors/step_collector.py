@@ -8,7 +8,9 @@ keys of the data contract (the README's "The data contract"): the step's input (
 policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
 ``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
 ``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``,
-``truncated``, ``success``) and the ids (``group_id``, ``traj_id``).
+``truncated``, ``success``) and the ids (``group_id``, ``traj_id``). The env's
+:class:`~torchrl_agent.envs.transforms.ActionProjection` parses each response during the step; the
+row takes the parse from the step's output.
 
 Generation is batched over the environments that are still running only: an environment that
 finished early takes no generation slot. ``lockstep=True`` reproduces the reference behaviour
@@ -42,6 +44,8 @@ logger = logging.getLogger(__name__)
 _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type", "anchor", "memory",
                "step_count", ("text", "prompt"))
 _OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault", "task_score")
+#: The projection's keys: in the step's output (the env's projection), or in its input (``projection``).
+_PARSED_KEYS = ActionProjection.parsed_keys
 
 
 class StepCollector(BaseCollector):
@@ -60,8 +64,9 @@ class StepCollector(BaseCollector):
         env: a (transformed) text environment with memory + prompt transforms; its batch is
             ``[num_groups * group_size]``.
         policy: an :class:`~torchrl_agent.modules.LLMPolicy`.
-        projection: the action projection; defaults to the ``ActionProjection`` found in
-            ``env``'s transforms, else a ``"tags"`` projection.
+        projection: the action projection the collector applies before each step, for an ``env``
+            without an ``ActionProjection`` transform (default: a ``"tags"`` projection). An env with
+            one parses the responses itself; passing another projection for it is an error.
         seed: seeds the environment and the sampling; collection is deterministic for a seed.
             Each step's request carries ``request_seed`` (a function of the seed, ``traj_id`` and
             ``step_count`` only), so engines taking per-request seeds (vLLM) sample the same
@@ -91,7 +96,10 @@ class StepCollector(BaseCollector):
         if total_batches is not None and total_batches < 1:
             raise ValueError(f"total_batches must be >= 1 or None, got {total_batches}")
         self.env, self.policy = env, policy
-        self.projection = projection or _find_projection(env) or ActionProjection("tags")
+        own = _find_projection(env)
+        if own is not None and projection is not None and projection is not own:
+            raise ValueError("StepCollector: env already has an ActionProjection transform; do not pass projection=")
+        self.projection = None if own is not None else projection or ActionProjection("tags")
         self.lockstep, self.progress = lockstep, progress
         self.seed = seed
         self.batches = 0
@@ -197,16 +205,16 @@ class StepCollector(BaseCollector):
             for j, i in enumerate(active.tolist()):
                 responses[i] = out[j]["text", "response"]
             td.set(("text", "response"), NonTensorStack(*responses, batch_size=[n]))
-            self.projection(td)
+            if self.projection is not None:  # an env without a projection transform
+                self.projection(td)
             too_long = torch.zeros(n, dtype=torch.bool)
             too_long[active] = out["prompt_too_long"].reshape(-1)
             td = self.env.step(td)
             for j, i in enumerate(active.tolist()):
                 if not running[i]:
                     continue  # lockstep: an environment already done generated for nothing
-                row = td[i].select(*_INPUT_KEYS, "action", "action_valid", "response_cut", ("text", "response"),
-                                  strict=False)
-                row.update(td[i]["next"].select(*_OUTCOME_KEYS, strict=False))
+                row = td[i].select(*_INPUT_KEYS, *_PARSED_KEYS, ("text", "response"), strict=False)
+                row.update(td[i]["next"].select(*_OUTCOME_KEYS, *_PARSED_KEYS, strict=False))
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
                     logger.warning("the engine generated nothing for environment %d (prompt over the engine's "
                                    "limit, or a failed request): episode truncated", i)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any, ClassVar
 
-from tensordict import NonTensorStack, TensorDictBase
+import torch
+from tensordict import NonTensorData, NonTensorStack, TensorDictBase
 from torchrl.data import Composite, NonTensor
 from torchrl.envs import Transform
 
@@ -31,16 +32,30 @@ MEMORY_REGISTRY: dict[str, type[MemoryTransform]] = {}
 
 
 def _strings(value, n: int) -> list[str]:
+    """A string entry of any batch shape (or ``None``: all ``""``) as ``n`` strings, flattened row-major."""
     if value is None:
         return [""] * n
-    if isinstance(value, str):
+    if not isinstance(value, str):
+        value = value.tolist()  # nested lists for a batch of more than one dimension
+    if isinstance(value, str):  # one string for the whole batch (a scalar batch, or a NonTensorData)
         return [clean_text(value)] * n
-    return [clean_text(v) for v in value.tolist()]
+    while value and isinstance(value[0], list):
+        value = [v for row in value for v in row]
+    return [clean_text(v) for v in value]
+
+
+def _string_stack(strings: list[str], shape: torch.Size):
+    """``strings`` (flattened row-major) as an entry of batch ``shape`` (the inverse of :func:`_strings`)."""
+    if len(shape) == 1:
+        return NonTensorStack(*strings, batch_size=shape)
+    if not shape:  # a scalar batch holds one string
+        return NonTensorData(strings[0])
+    return NonTensorStack(*strings, batch_size=[len(strings)]).reshape(shape)
 
 
 class MemoryTransform(Transform):
     """Base of all memories. Reads the step's ``observation``, ``action``, ``action_valid`` and
-    ``("text", "response")``; writes ``memory`` (``[B]`` str) at reset and after every step.
+    ``("text", "response")``; writes ``memory`` (``[*B]`` str, any batch shape ``B``) at reset and after every step.
 
     Subclasses set ``kind`` and override :meth:`update` and :meth:`render`; constructor
     keyword arguments are stored in ``params`` and serialised with the state, so
@@ -86,19 +101,21 @@ class MemoryTransform(Transform):
 
     # ---------------------------------------------------------------- TorchRL plumbing
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
-        n = tensordict_reset.batch_size[0]
+        shape = tensordict_reset.batch_size
+        n = shape.numel()
         mask = tensordict.get("_reset", None) if tensordict is not None else None
         previous = _strings(tensordict.get("memory", None), n) if tensordict is not None else [""] * n
         fresh = self.dumps([])
         mask = [True] * n if mask is None else mask.reshape(n).tolist()
         states = [fresh if m or not p else p for m, p in zip(mask, previous)]
-        tensordict_reset.set("memory", NonTensorStack(*states, batch_size=[n]))
+        tensordict_reset.set("memory", _string_stack(states, shape))
         return tensordict_reset
 
     def updated_records(self, tensordict: TensorDictBase) -> list[tuple[list[dict], int, bool]]:
         """For each environment of a step's input: ``(records, dropped, stepped)``, the records after
-        this step. A game already done ignores the action, so its memory stays as it is."""
-        n = tensordict.batch_size[0]
+        this step, flattened row-major over the batch dimensions. A game already done ignores the
+        action, so its memory stays as it is."""
+        n = tensordict.batch_size.numel()
         states = _strings(tensordict.get("memory", None), n)
         observations = _strings(tensordict.get("observation", None), n)
         actions = _strings(tensordict.get("action", None), n)
@@ -120,7 +137,7 @@ class MemoryTransform(Transform):
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         out = [self.dumps(records, dropped) for records, dropped, _ in self.updated_records(tensordict)]
-        next_tensordict.set("memory", NonTensorStack(*out, batch_size=[len(out)]))
+        next_tensordict.set("memory", _string_stack(out, next_tensordict.batch_size))
         return next_tensordict
 
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:

@@ -50,11 +50,12 @@ import json
 import re
 
 import torch
-from tensordict import NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
+from torchrl.data import Categorical, Composite, NonTensor
 from torchrl.envs import Transform
 
 from torchrl_agent.envs.base import clean_text
-from torchrl_agent.envs.transforms.memory import _strings
+from torchrl_agent.envs.transforms.memory import _string_stack, _strings
 
 __all__ = ["ActionProjection", "OUR_FORMATS", "REFERENCE_FORMATS", "expert_response", "project_action",
            "resolve_format"]
@@ -251,51 +252,97 @@ def expert_response(action: str, fmt: str = "tags", think: str | None = None) ->
 
 
 class ActionProjection(Transform):
-    """Parses ``("text", "response")`` into ``action`` (``[B]`` str), ``action_valid`` (``[B, 1]``
-    bool) and ``response_cut`` (``[B, 1]`` bool: the response was longer than ``max_chars`` and only
-    its first ``max_chars`` characters were parsed).
+    """Parses ``("text", "response")`` into ``action`` (str), ``action_valid`` (``[*B, 1]`` bool) and
+    ``response_cut`` (``[*B, 1]`` bool: the response was longer than ``max_chars`` and only its first
+    ``max_chars`` characters were parsed), for a batch of any shape ``B``.
 
-    In a ``TransformedEnv`` it runs as an inverse transform before the base env steps. Called as a
-    module (``projection(td)``, e.g. by the collector) it writes the same keys in place, so the
-    collected step rows record them. Each response is parsed once per step: a call with the same
-    responses as the previous call reuses its result (``num_parsed`` counts the parses).
+    In a ``TransformedEnv`` it is an action transform (``in_keys_inv=["action"]``,
+    ``out_keys_inv=[("text", "response")]``): the transformed env's action is the response text the
+    policy writes, the inverse call parses it into the base env's ``action``, and the step's output
+    holds the parse, ``("next", "action")``, ``("next", "action_valid")`` and
+    ``("next", "response_cut")`` (like a step's ``info``; TorchRL runs inverse transforms on a copy of
+    the step's input, so the input itself is left as the policy wrote it). ``env.rollout(n, policy)``
+    and TorchRL's collectors therefore record them; they are declared in the env's
+    ``fake_tensordict``. A response-less input keeps its provided ``action``.
+
+    Called as a module (``projection(td)``) it writes the same keys into ``td`` itself.
+    Each response is parsed once per step: a call with the same responses as the previous call
+    reuses its result (``num_parsed`` counts the parses).
 
     Args:
         fmt: one of :data:`OUR_FORMATS` or :data:`REFERENCE_FORMATS` (``"reference"`` needs
             ``env_name``).
         max_chars: the cut; ``None``: no cut.
         env_name: resolves ``fmt="reference"`` (see :func:`resolve_format`).
+
+    Examples:
+        >>> env = TransformedEnv(base, Compose(WindowMemory(2), PromptTransform(tok), ActionProjection()))  # doctest: +SKIP
+        >>> rollout = env.rollout(10, policy)  # policy: ("text", "prompt") -> ("text", "response")  # doctest: +SKIP
+        >>> rollout["next", "action"], rollout["next", "action_valid"]  # the command sent, its validity  # doctest: +SKIP
     """
+
+    response_key = ("text", "response")
+    #: What the projection writes (into the step's output in an env, into ``td`` as a module).
+    parsed_keys = ("action", "action_valid", "response_cut")
 
     def __init__(self, fmt: str = "tags", *, max_chars: int | None = MAX_RESPONSE_CHARS, env_name: str = ""):
         fmt = resolve_format(fmt, env_name)
         if max_chars is not None and max_chars < 1:
             raise ValueError(f"ActionProjection: max_chars must be >= 1 or None, got {max_chars}")
-        super().__init__(in_keys=[], out_keys=[], in_keys_inv=[], out_keys_inv=[])
+        super().__init__(in_keys=[], out_keys=[], in_keys_inv=["action"], out_keys_inv=[self.response_key])
         self.fmt, self.max_chars = fmt, max_chars
         self.num_parsed = 0
         self._last: tuple[list[str], list[tuple[str, bool]]] | None = None
 
     def project(self, tensordict: TensorDictBase) -> TensorDictBase:
-        response = tensordict.get(("text", "response"), None)
+        """Write ``action``, ``action_valid`` and ``response_cut`` from ``("text", "response")`` in place."""
+        response = tensordict.get(self.response_key, None)
         if response is None:  # nothing generated: keep a provided action
             return tensordict
-        n = tensordict.batch_size[0]
-        responses = _strings(response, n)
+        shape = tensordict.batch_size
+        responses = _strings(response, shape.numel())
         if self._last is not None and self._last[0] == responses:
             pairs = self._last[1]
         else:
             pairs = [project_action(r, self.fmt, max_chars=self.max_chars) for r in responses]
-            self.num_parsed += n
+            self.num_parsed += len(responses)
             self._last = (responses, pairs)
         cut = [self.max_chars is not None and len(r) > self.max_chars for r in responses]
-        tensordict.set("action", NonTensorStack(*[a for a, _ in pairs], batch_size=[n]))
-        tensordict.set("action_valid", torch.tensor([v for _, v in pairs], dtype=torch.bool).reshape(n, 1))
-        tensordict.set("response_cut", torch.tensor(cut, dtype=torch.bool).reshape(n, 1))
+        tensordict.set("action", _string_stack([a for a, _ in pairs], shape))
+        tensordict.set("action_valid", torch.tensor([v for _, v in pairs], dtype=torch.bool).reshape(*shape, 1))
+        tensordict.set("response_cut", torch.tensor(cut, dtype=torch.bool).reshape(*shape, 1))
         return tensordict
-
-    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
-        return self.project(tensordict)
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         return self.project(tensordict)
+
+    # ---------------------------------------------------------------- TorchRL plumbing
+    def _inv_call(self, tensordict: TensorDictBase) -> TensorDictBase:
+        return self.project(tensordict)
+
+    def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
+        # ``tensordict`` is the inverse-transformed copy of the step's input: it holds the parse
+        return next_tensordict.update(tensordict.select(*self.parsed_keys, strict=False))
+
+    def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:
+        # the base env's placeholder ``action`` is not an input of this env (the response is)
+        return tensordict_reset.exclude("action")
+
+    def parsed_spec(self, shape: torch.Size) -> Composite:
+        """The specs of :attr:`parsed_keys` for a batch ``shape``."""
+        return Composite(
+            action=NonTensor(shape=shape, example_data="", dtype=None),
+            action_valid=Categorical(2, shape=(*shape, 1), dtype=torch.bool),
+            response_cut=Categorical(2, shape=(*shape, 1), dtype=torch.bool),
+            shape=shape,
+        )
+
+    def transform_action_spec(self, action_spec: Composite) -> Composite:
+        action_spec = action_spec.clone()
+        del action_spec["action"]
+        action_spec[self.response_key] = NonTensor(shape=action_spec.shape, example_data="", dtype=None)
+        return action_spec
+
+    def transform_fake_tensordict(self, fake_tensordict: TensorDictBase) -> TensorDictBase:
+        fake_tensordict.get("next").update(self.parsed_spec(fake_tensordict.batch_size).zero())
+        return fake_tensordict

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tensordict import NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
 from torchrl.data import Categorical, Composite, NonTensor
 from torchrl.envs import Transform
 
-from torchrl_agent.envs.transforms.memory import MemoryTransform, WindowMemory, _strings, load_memory
+from torchrl_agent.envs.transforms.memory import MemoryTransform, WindowMemory, _string_stack, _strings, load_memory
 
 __all__ = ["PROMPT_TEMPLATES", "REFERENCE_TEMPLATES", "PromptTransform", "ReferenceTemplate", "resolve_template"]
 
@@ -454,7 +454,7 @@ def resolve_template(template: str | None, env_name: str) -> str | ReferenceTemp
 
 
 class PromptTransform(Transform):
-    """Renders ``("text", "prompt")`` (``[B]`` str) after every reset and step.
+    """Renders ``("text", "prompt")`` (``[*B]`` str, any batch shape ``B``) after every reset and step.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
@@ -469,7 +469,7 @@ class PromptTransform(Transform):
         env_name: the environment's name, for ``template="reference"``.
 
     Reads ``task``, ``observation``, ``admissible_actions``, ``step_count`` and ``memory``
-    (absent memory = no history). Writes ``("text", "prompt")`` and ``prompt_over_budget`` ``[B, 1]``.
+    (absent memory = no history). Writes ``("text", "prompt")`` and ``prompt_over_budget`` ``[*B, 1]``.
     """
 
     def __init__(self, tokenizer, template: str | ReferenceTemplate = "default", *,
@@ -542,7 +542,8 @@ class PromptTransform(Transform):
 
     # ---------------------------------------------------------------- TorchRL plumbing
     def _call(self, next_tensordict: TensorDictBase) -> TensorDictBase:
-        n = next_tensordict.batch_size[0]
+        shape = next_tensordict.batch_size
+        n = shape.numel()
         tasks = _strings(next_tensordict.get("task", None), n)
         observations = _strings(next_tensordict.get("observation", None), n)
         actions = _strings(next_tensordict.get("admissible_actions", None), n)
@@ -554,10 +555,10 @@ class PromptTransform(Transform):
             prompt, memories[i], o = self.render(tasks[i], observations[i], actions[i], steps[i], memories[i])
             prompts.append(prompt)
             over.append(o)
-        next_tensordict.set(("text", "prompt"), NonTensorStack(*prompts, batch_size=[n]))
+        next_tensordict.set(("text", "prompt"), _string_stack(prompts, shape))
         if "memory" in next_tensordict.keys():
-            next_tensordict.set("memory", NonTensorStack(*memories, batch_size=[n]))
-        next_tensordict.set("prompt_over_budget", torch.tensor(over, dtype=torch.bool).reshape(n, 1))
+            next_tensordict.set("memory", _string_stack(memories, shape))
+        next_tensordict.set("prompt_over_budget", torch.tensor(over, dtype=torch.bool).reshape(*shape, 1))
         return next_tensordict
 
     def _reset(self, tensordict: TensorDictBase, tensordict_reset: TensorDictBase) -> TensorDictBase:

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from tensordict import NonTensorStack, TensorDictBase
+from tensordict import TensorDictBase
 
 from torchrl_agent.envs.base import clean_text
-from torchrl_agent.envs.transforms.memory import MemoryTransform, _strings
+from torchrl_agent.envs.transforms.memory import MemoryTransform, _string_stack, _strings
 
 __all__ = ["SUMMARY_TEMPLATE", "SummaryMemory"]
 
@@ -155,7 +155,7 @@ class SummaryMemory(MemoryTransform):
 
     # ---------------------------------------------------------------- TorchRL plumbing
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        n = tensordict.batch_size[0]
+        n = tensordict.batch_size.numel()
         tasks = _strings(tensordict.get("task", None), n)
         updated = self.updated_records(tensordict)
         new_records = [records for records, _, _ in updated]
@@ -177,5 +177,5 @@ class SummaryMemory(MemoryTransform):
                     text = self.summary_text(generation)
                 new_records[i] = self.fold(new_records[i], text)
         out = [self.dumps(r, d) for r, d in zip(new_records, dropped)]
-        next_tensordict.set("memory", NonTensorStack(*out, batch_size=[n]))
+        next_tensordict.set("memory", _string_stack(out, next_tensordict.batch_size))
         return next_tensordict
