@@ -758,6 +758,43 @@ def test_token_gae_matches_reference_loop(gamma, lmbda):
     torch.testing.assert_close(ours_adv, ref_masked_whiten(adv, mask) * mask, atol=1e-6, rtol=1e-6)
 
 
+def _matrix_gae(values, mask, scores, gamma, lmbda, token_rewards):
+    """The previous ``token_gae`` (before it used TorchRL's GAE): the discounted sum of TD errors
+    over each left-aligned response as a ``[T, T]`` discount-matrix product."""
+    from torchrl_agent.objectives.ppo import _compact, _discount_matrix, _token_rewards
+
+    n, t = mask.shape
+    r, length, back = _token_rewards(mask, scores, token_rewards, values.dtype)
+    v, _, _ = _compact(values, mask)
+    idx = torch.arange(t)[None, :]
+    v_next = torch.where(idx + 1 < length[:, None], torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=v.dtype)], -1), 0.0)
+    delta = torch.where(idx < length[:, None], r + gamma * v_next - v, 0.0)
+    adv = delta @ _discount_matrix(t, gamma * lmbda, values.dtype, values.device)
+    return back(adv), back(adv + v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("gamma, lmbda", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.8), (0.7, 0.0)])
+def test_token_gae_through_torchrl_equals_the_matrix_form(gamma, lmbda, dtype):
+    """``token_gae`` runs TorchRL's ``vec_generalized_advantage_estimate`` (``td0_advantage_estimate``
+    for ``lmbda = 0``); same numbers as the matrix form on ragged, non-contiguous masks with
+    per-token rewards."""
+    g = torch.Generator().manual_seed(3)
+    n, t = 12, 40
+    mask = torch.arange(t)[None, :] < torch.randint(0, t + 1, (n,), generator=g)[:, None]
+    mask[2] = torch.rand(t, generator=g) > 0.5  # holes inside a response
+    mask[5] = False  # an empty response
+    values = (torch.randn(n, t, generator=g) * mask).to(dtype)
+    scores = torch.randn(n, generator=g).to(dtype)
+    token_rewards = (0.05 * torch.randn(n, t, generator=g)).to(dtype)
+    adv, ret = token_gae(values, mask, scores, gamma=gamma, lmbda=lmbda, token_rewards=token_rewards, whiten=False)
+    ref_adv, ref_ret = _matrix_gae(values, mask, scores, gamma, lmbda, token_rewards)
+    tol = dict(atol=1e-5, rtol=1e-5)  # TorchRL drops discount factors below 1e-7
+    torch.testing.assert_close(adv, ref_adv, **tol)
+    torch.testing.assert_close(ret, ref_ret, **tol)
+    assert adv.dtype == dtype and (adv[~mask] == 0).all() and adv[mask].abs().sum() > 0
+
+
 def test_kl_estimators_match_the_reference():
     g = torch.Generator().manual_seed(0)
     logp, ref = -torch.rand(4, 6, generator=g) * 3, -torch.rand(4, 6, generator=g) * 3

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from tensordict import TensorDictBase
 from tensordict.nn import TensorDictModuleBase
 from torch import nn
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["ChunkedResponseHead", "ResponseLogProbs", "pad_rows", "token_log_probs"]
@@ -38,23 +39,19 @@ def pad_rows(rows: TensorDictBase, pad_token_id: int) -> dict[str, torch.Tensor]
     and ``response_start`` ``[N]`` (index of the first response token in its sequence), where
     ``T`` is the longest response.
     """
-    n = rows.batch_size[0]
-    prompts = [rows[i]["tokens", "prompt"] for i in range(n)]
-    responses = [rows[i]["tokens", "response"] for i in range(n)]
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    t_max = max(1, max(len(r) for r in responses))
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((n, width), dtype=torch.long)
-    response_mask = torch.zeros((n, t_max), dtype=torch.bool)
-    start = torch.zeros(n, dtype=torch.long)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        seq = torch.cat([p, r])
-        input_ids[i, : len(seq)] = seq
-        attention[i, : len(seq)] = 1
-        response_mask[i, : len(r)] = True
-        start[i] = len(p)
-    return {"input_ids": input_ids, "attention_mask": attention, "response_mask": response_mask,
-            "response_start": start}
+    # the ragged rows as lists (tensordict's ``as_list``), joined per row and padded by torch; TorchRL's
+    # ``("tokens", "full")`` is not read: our collectors' rows carry prompt and response only
+    prompts = rows.get(("tokens", "prompt"), as_list=True)
+    responses = rows.get(("tokens", "response"), as_list=True)
+    sequences = [torch.cat([p, r]).long() for p, r in zip(prompts, responses)]
+    input_ids = pad_sequence(sequences, batch_first=True, padding_value=pad_token_id)
+    seq_len = torch.tensor([len(x) for x in sequences], device=input_ids.device)
+    response_len = torch.tensor([len(r) for r in responses], device=input_ids.device)
+    width = max(1, int(response_len.max()))
+    return {"input_ids": input_ids,
+            "attention_mask": (torch.arange(input_ids.shape[1], device=input_ids.device) < seq_len[:, None]).long(),
+            "response_mask": torch.arange(width, device=input_ids.device) < response_len[:, None],
+            "response_start": seq_len - response_len}
 
 
 def _chunk_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
@@ -139,7 +136,8 @@ class ResponseLogProbs(TensorDictModuleBase):
     and ``mask`` ``[N, T]`` (True on response tokens). Gradients flow into ``model`` unless called
     under ``no_grad``. Only response positions reach the LM head, ``chunk_tokens`` at a time (see the
     module docstring): no ``[N, L, V]`` tensor is ever built. ``log_prob_key`` renames the output
-    (``old_log_prob``, ``ref_log_prob``).
+    (``old_log_prob``, ``ref_log_prob``). TorchRL's ``TransformersWrapper(generate=False)`` is not used
+    for this: it returns log-probs of the full sequence from the full ``[N, L, V]`` logits.
 
     Args:
         model: a Hugging Face causal LM (``get_output_embeddings`` / ``set_output_embeddings``),

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from tensordict import NestedKey, TensorDictBase
 from tensordict.nn import TensorDictModuleBase
+from torchrl.objectives.value.functional import td0_advantage_estimate, vec_generalized_advantage_estimate
 
 from torchrl_agent.objectives.clip_loss import Aggregation, ClipPolicyLoss, aggregate
 
@@ -147,7 +148,10 @@ def token_gae(
 
     (for ``gamma = lmbda = 1``: ``A_t = score - V_t``). Advantages are then whitened over all the
     masked tokens of the batch (``whiten=True``, :func:`masked_whiten`); returns are computed
-    before whitening.
+    before whitening. The recursion is TorchRL's
+    :func:`~torchrl.objectives.value.functional.vec_generalized_advantage_estimate` (which drops
+    discount factors ``(gamma * lmbda)**k`` below 1e-7) over the responses left-aligned; what is
+    ours is the LLM layout: the score placed at the last response token and the mask compaction.
 
     Args:
         values (Tensor): [N, T] value estimates at collection time (detached).
@@ -162,15 +166,21 @@ def token_gae(
     values = values.detach()
     mask = mask.bool()
     n, t = mask.shape
-    dtype = values.dtype
-    r, length, back = _token_rewards(mask, scores, token_rewards, dtype)
-    v, _, _ = _compact(values, mask)
-    zero = torch.zeros((), dtype=dtype, device=values.device)
+    r, length, back = _token_rewards(mask, scores, token_rewards, values.dtype)
+    v, _, _ = _compact(values, mask)  # each response left-aligned, r = V = 0 after it
+    # TorchRL's GAE on [N, T, 1] (time at dim -2): a row is one trajectory (done at its last column);
+    # a response ends at its last token (terminated: V after it is 0); the zero padding after it adds
+    # nothing to the tokens before it.
     idx = torch.arange(t, device=values.device)[None, :]
-    v_next = torch.where(idx + 1 < length[:, None], torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=dtype,
-                                                                                  device=values.device)], -1), zero)
-    delta = torch.where(idx < length[:, None], r + gamma * v_next - v, zero)
-    adv_c = delta @ _discount_matrix(t, gamma * lmbda, dtype, values.device)
+    v_next = torch.cat([v[:, 1:], v.new_zeros(n, 1)], -1)[..., None]
+    terminated = (idx >= length[:, None] - 1)[..., None]
+    done = (idx == t - 1).expand(n, t)[..., None]
+    if gamma * lmbda == 0:  # TD(0); TorchRL 0.14.1's vectorised GAE fails on gamma * lmbda = 0
+        adv_c = td0_advantage_estimate(gamma, v[..., None], v_next, r[..., None], done, terminated)
+    else:
+        adv_c, _ = vec_generalized_advantage_estimate(gamma, lmbda, v[..., None], v_next, r[..., None], done,
+                                                      terminated)
+    adv_c = adv_c.squeeze(-1)
     advantages, returns = back(adv_c), back(adv_c + v)
     if whiten:
         advantages = masked_whiten(advantages, mask, eps)

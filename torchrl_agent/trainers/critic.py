@@ -9,7 +9,11 @@ The value of response token ``k`` is read at the position before it (the state f
 Under ``torchrun`` the critic lives on rank 0 only (unsharded) and is updated there, before the
 rows are broadcast to the other ranks for the policy update.
 
-Formulas (GAE, value loss): ``docs/algorithms.md``.
+Formulas (GAE, value loss): ``docs/algorithms.md``. GAE itself is TorchRL's functional
+``vec_generalized_advantage_estimate`` (via :func:`~torchrl_agent.objectives.token_gae`); TorchRL's
+``GAE`` value-estimator module is not used because it calls a value network on each step's
+``(observation, ("next", observation))`` pair, while here all token values of a response come from one
+forward over prompt + response (``values [N, T]``), with the value after the last token 0.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import nn
 
-from torchrl_agent.modules.transformers_policy import pad_rows
+from torchrl_agent.modules.logprobs import pad_rows
 from torchrl_agent.objectives.ppo import clipped_value_loss
 
 __all__ = ["ValueModel", "Critic"]
