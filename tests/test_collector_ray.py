@@ -1,5 +1,5 @@
 """The Ray collector on a local two-CPU Ray cluster (the smoke experiment: NumberLine, the tiny
-model, a transformers engine in each actor): the same rows as the single-process StepCollector for
+model, a transformers engine in each actor, or one shared engine over HTTP): the same rows as the single-process StepCollector for
 a seed, before and after a weight update; the standard TorchRL loop; shutdown gives the actors'
 resources back; without Ray, a clear ImportError."""
 
@@ -119,6 +119,33 @@ def test_ray_rows_equal_single_process_rows(cluster, cfg, policy_factory, single
     assert len({int(t) for t in single_rows[0]["traj_id"]}) == NUM_GROUPS * 2  # every game of the batch
     assert content(single_rows[2]) != content(single_rows[1])  # the update changed the policy
     assert content(rb[:]) == content(single_rows[0])
+
+
+def test_ray_actors_over_one_http_server_rows_equal_single_process_rows(cluster, cfg, tiny_model, tokenizer):
+    """The shared-engine route: both actors are HTTPPolicy clients of one OpenAI-compatible server
+    (the tiny model; each request sampled from its seed); with request_seeds the rows are the
+    single-process ones. The server holds the weights: a weight update is refused, naming why."""
+    from openai_server import OpenAIServer
+
+    from torchrl_agent.modules import TransformersPolicy
+
+    server = OpenAIServer(TransformersPolicy(tiny_model, tokenizer, max_new_tokens=10), limit=4096)
+    try:
+        http = PolicyFactory("http", model_path(cfg.model), base_url=server.url,
+                             kwargs={"max_new_tokens": 10, "temperature": 1.0, "max_concurrency": 2})
+        single = StepCollector(ConfigEnvFactory(cfg)(NUM_GROUPS), http(), seed=SEED)
+        expected = single.collect()
+        single.shutdown()
+        with RayStepCollector(ConfigEnvFactory(cfg), http, num_groups=NUM_GROUPS, num_collectors=2,
+                              seed=SEED) as collector:
+            rows = collector.collect()
+            with pytest.raises(RuntimeError, match="update the weights where its engine runs"):
+                collector.update_policy_weights_(tiny_model.state_dict())
+    finally:
+        server.close()
+    assert content(rows) == content(expected)
+    torch.testing.assert_close(log_probs(rows), log_probs(expected), atol=1e-5, rtol=0)
+    assert len(server.requests) == 2 * expected.batch_size[0]  # every step went to the server, twice
 
 
 def test_bad_arguments_fail_before_starting_actors(cfg, policy_factory):
