@@ -43,6 +43,15 @@ def cluster():
     ray.shutdown()
 
 
+def free_cpus(expected: float = 2, timeout: float = 30.0) -> float:
+    """The cluster's free CPUs, once they reach ``expected`` or after ``timeout`` s (Ray frees a
+    killed actor's resources asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0)
+
+
 def perturbed(path):
     from transformers import AutoModelForCausalLM
 
@@ -109,10 +118,7 @@ def test_ray_rows_equal_single_process_rows(cluster, cfg, policy_factory, single
     for actor in actors:
         with pytest.raises(ray.exceptions.RayActorError):
             ray.get(actor.ready.remote(), timeout=30)
-    deadline = time.monotonic() + 30
-    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.available_resources().get("CPU", 0) == 2
+    assert free_cpus() == 2
     for ours, theirs in zip(batches, single_rows):
         assert content(ours) == content(theirs)
         torch.testing.assert_close(log_probs(ours), log_probs(theirs), atol=1e-5, rtol=0)
@@ -146,6 +152,17 @@ def test_ray_actors_over_one_http_server_rows_equal_single_process_rows(cluster,
     assert content(rows) == content(expected)
     torch.testing.assert_close(log_probs(rows), log_probs(expected), atol=1e-5, rtol=0)
     assert len(server.requests) == 2 * expected.batch_size[0]  # every step went to the server, twice
+
+
+def test_an_actor_that_fails_to_start_is_named_and_released(cluster, policy_factory):
+    """A broken env factory (an unknown environment): the error names the actor and the cause, and
+    the actors already started are killed (their CPUs back to the cluster)."""
+    from torchrl_agent.collectors import TextEnvFactory
+
+    with pytest.raises(RuntimeError, match=r"(?s)the actors to start: collector actor [01] failed.*no_such_env"):
+        RayStepCollector(TextEnvFactory("no_such_env", policy_factory.model_path), policy_factory,
+                         num_groups=2, num_collectors=2, start_timeout=300)
+    assert free_cpus() == 2
 
 
 def test_bad_arguments_fail_before_starting_actors(cfg, policy_factory):
