@@ -245,6 +245,9 @@ class RayStepCollector(ShardedCollector):
             return
         self._closed = True
         self._pending.clear()
+        if not ray.is_initialized():  # Ray was shut down first: its actors went with it
+            self._actors = []
+            return
         if close_env and self._actors:
             try:
                 ray.get([a.close.remote() for a in self._actors], timeout=timeout or 30.0)
