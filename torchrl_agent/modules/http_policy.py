@@ -68,6 +68,11 @@ class HTTPPolicy(LLMPolicy):
             marks the prompt ``prompt_too_long``.
         seed: request ``k`` (counted over the policy's life, reset by :meth:`set_seed`) sends
             ``seed + k``; ``None`` sends no seed.
+        request_seeds: send the collector's ``request_seed`` of each step instead (a function of
+            the collector's seed, the trajectory and the step, not of the order of requests): with
+            a server that samples a seeded request independently of its batch (vLLM), sharded
+            collectors (:class:`~torchrl_agent.collectors.RayStepCollector`) then get the
+            single-process rows.
         timeout: seconds per HTTP attempt.
         retries: attempts after the first one, with ``backoff * 2**i`` seconds between them.
         max_concurrency: requests in flight at once.
@@ -82,8 +87,9 @@ class HTTPPolicy(LLMPolicy):
     def __init__(self, base_url: str, tokenizer, *, model: str = "default", api: str = "completions",
                  seed: int | None = 0, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
                  max_concurrency: int = 8, api_key: str | None = None, extra_body: dict | None = None,
-                 on_error: str = "raise", **kwargs):
+                 on_error: str = "raise", request_seeds: bool = False, **kwargs):
         super().__init__(tokenizer, **kwargs)
+        self.accepts_request_seeds = request_seeds
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         if api not in ("completions", "chat"):
@@ -118,9 +124,12 @@ class HTTPPolicy(LLMPolicy):
         self.seed = seed
         self._requests = 0
 
-    def generate(self, prompts: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
+        """One completion per prompt; ``seeds`` (one per prompt), when given, replace ``seed + k``."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
         out = [Generation(ids) for ids in (self.encode(p) for p in prompts)]
         limit = self.max_prompt_tokens
         todo = []
@@ -128,7 +137,10 @@ class HTTPPolicy(LLMPolicy):
             if limit is not None and len(g.prompt_ids) > limit:
                 g.prompt_too_long = True
             else:
-                seed = None if self.seed is None else self.seed + self._requests
+                if seeds is not None:
+                    seed = int(seeds[i])
+                else:
+                    seed = None if self.seed is None else self.seed + self._requests
                 self._requests += 1
                 todo.append((i, seed))
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(todo)))) as pool:

@@ -23,24 +23,41 @@ class TransformersPolicy(LLMPolicy):
         tokenizer: its tokenizer (``pad_token`` set).
         max_new_tokens, temperature, max_prompt_tokens: see :class:`LLMPolicy`.
         batch_size: at most this many prompts per ``generate`` call.
+        request_seeds: sample each prompt alone, seeded by the collector's ``request_seed`` (a
+            function of the collector's seed, the trajectory and the step): a row's sample then
+            does not depend on which other prompts share the call, so sharded collectors
+            (:class:`~torchrl_agent.collectors.RayStepCollector`) give the single-process rows.
+            Slower (no batching); the global RNG is left as it was.
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, **kwargs):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, request_seeds: bool = False, **kwargs):
         super().__init__(tokenizer, **kwargs)
         self.model = model
         self.batch_size = batch_size
+        self.accepts_request_seeds = request_seeds
         if self.max_prompt_tokens is None:
             self.max_prompt_tokens = getattr(model.config, "max_position_embeddings", 4096) - self.max_new_tokens
 
-    def generate(self, prompts: list[str]) -> list[Generation]:
+    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
         encoded = [self.encode(p) for p in prompts]
         out = [Generation(ids, prompt_too_long=len(ids) > self.max_prompt_tokens) for ids in encoded]
         todo = [i for i, g in enumerate(out) if not g.prompt_too_long]
-        for start in range(0, len(todo), self.batch_size):
-            chunk = todo[start:start + self.batch_size]
-            for i, (ids, lps) in zip(chunk, self._generate_batch([encoded[i] for i in chunk])):
+        if seeds is not None:  # one prompt at a time, each from its own seed
+            chunks = [[i] for i in todo]
+        else:
+            chunks = [todo[start:start + self.batch_size] for start in range(0, len(todo), self.batch_size)]
+        for chunk in chunks:
+            with torch.random.fork_rng(devices=self._rng_devices(), enabled=seeds is not None):
+                if seeds is not None:
+                    torch.manual_seed(int(seeds[chunk[0]]))
+                results = self._generate_batch([encoded[i] for i in chunk])
+            for i, (ids, lps) in zip(chunk, results):
                 out[i].response_ids, out[i].log_probs, out[i].text = ids, lps, self.decode(ids)
         return out
+
+    def _rng_devices(self) -> list:
+        device = next(self.model.parameters()).device
+        return [device] if device.type == "cuda" else []
 
     @torch.no_grad()
     def _generate_batch(self, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:

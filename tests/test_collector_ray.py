@@ -1,0 +1,189 @@
+"""The Ray collector on a local two-CPU Ray cluster (the smoke experiment: NumberLine, the tiny
+model, a transformers engine in each actor, or one shared engine over HTTP): the same rows as the single-process StepCollector for
+a seed, before and after a weight update; the standard TorchRL loop; shutdown gives the actors'
+resources back; without Ray, a clear ImportError."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import torch
+from torchrl.data import LazyStackStorage, ReplayBuffer
+
+from torchrl_agent.collectors import ConfigEnvFactory, PolicyFactory, RayStepCollector, StepCollector
+from torchrl_agent.models import model_path
+from torchrl_agent.trainers.cli import compose_config
+
+NUM_GROUPS, SEED = 4, 7
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    """The smoke experiment, 4 groups of 2 games, episodes of at most 4 steps, short responses."""
+    return compose_config(["experiment=smoke", f"env.num_groups={NUM_GROUPS}", "env.group_size=2", "env.max_steps=4",
+                           "rollout.max_new_tokens=10"])
+
+
+@pytest.fixture(scope="module")
+def policy_factory(cfg):
+    r = cfg.rollout
+    return PolicyFactory("transformers", model_path(cfg.model),
+                         kwargs={"max_new_tokens": r.max_new_tokens, "temperature": r.temperature})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def free_cpus(expected: float = 2, timeout: float = 30.0) -> float:
+    """The cluster's free CPUs, once they reach ``expected`` or after ``timeout`` s (Ray frees a
+    killed actor's resources asynchronously)."""
+    deadline = time.monotonic() + timeout
+    while ray.available_resources().get("CPU", 0) < expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return ray.available_resources().get("CPU", 0)
+
+
+def perturbed(path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)  # tied with the embeddings: a visibly different policy
+    return model.state_dict()
+
+
+def original(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+
+
+def content(rows):
+    """Everything a row holds, in order, as plain Python values (log-probs compared apart)."""
+    return [(int(row["group_id"]), int(row["traj_id"]), int(row["step_count"]), row["text", "prompt"],
+             row["text", "response"], row["action"], row["tokens", "response"].tolist(), float(row["reward"]),
+             bool(row["done"]), bool(row["action_valid"])) for row in rows.unbind(0)]
+
+
+def log_probs(rows):
+    return torch.cat([row["log_probs", "response"] for row in rows.unbind(0)])
+
+
+@pytest.fixture(scope="module")
+def single_rows(cfg, policy_factory):
+    """Three batches of the single-process collector (the same env and policy factories, in this
+    process, one thread as in the actors); new weights before the third."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        policy = policy_factory()
+        collector = StepCollector(ConfigEnvFactory(cfg)(NUM_GROUPS), policy, seed=SEED)
+        batches = [collector.collect(), collector.collect()]
+        policy.model.load_state_dict(perturbed(policy_factory.model_path))
+        batches.append(collector.collect())
+        collector.shutdown()
+    finally:
+        torch.set_num_threads(threads)
+    return batches
+
+
+def test_ray_rows_equal_single_process_rows(cluster, cfg, policy_factory, single_rows):
+    path = policy_factory.model_path
+    rb = ReplayBuffer(storage=LazyStackStorage(1000))
+    with RayStepCollector(ConfigEnvFactory(cfg), policy_factory, num_groups=NUM_GROUPS, num_collectors=2, seed=SEED,
+                          total_batches=2) as collector:
+        assert collector.shards == [(2, 0), (2, 2)]  # (groups, first group) of each actor
+        batches = list(collector)  # the standard TorchRL loop; ends after total_batches
+        assert len(batches) == 2
+        collector.update_policy_weights_(perturbed(path))  # one ray.put, loaded by both actors
+        batches.append(collector.collect())
+        assert collector.stats()["batches"] == 3
+        assert collector.stats["env_steps"] == batches[-1].batch_size[0]
+        # with a replay buffer, after a reseed and the original weights: the first batch again
+        collector.replay_buffer, collector.total_batches = rb, 1
+        collector.set_seed(SEED)
+        collector.update_policy_weights_(original(path))
+        assert list(collector) == [None]
+        actors = list(collector._actors)
+    # shutdown killed the actors and gave their CPUs back to the cluster
+    for actor in actors:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(actor.ready.remote(), timeout=30)
+    assert free_cpus() == 2
+    for ours, theirs in zip(batches, single_rows):
+        assert content(ours) == content(theirs)
+        torch.testing.assert_close(log_probs(ours), log_probs(theirs), atol=1e-5, rtol=0)
+    assert len({int(t) for t in single_rows[0]["traj_id"]}) == NUM_GROUPS * 2  # every game of the batch
+    assert content(single_rows[2]) != content(single_rows[1])  # the update changed the policy
+    assert content(rb[:]) == content(single_rows[0])
+
+
+def test_ray_actors_over_one_http_server_rows_equal_single_process_rows(cluster, cfg, tiny_model, tokenizer):
+    """The shared-engine route: both actors are HTTPPolicy clients of one OpenAI-compatible server
+    (the tiny model; each request sampled from its seed); with request_seeds the rows are the
+    single-process ones. The server holds the weights: a weight update is refused, naming why."""
+    from openai_server import OpenAIServer
+
+    from torchrl_agent.modules import TransformersPolicy
+
+    server = OpenAIServer(TransformersPolicy(tiny_model, tokenizer, max_new_tokens=10), limit=4096)
+    try:
+        http = PolicyFactory("http", model_path(cfg.model), base_url=server.url,
+                             kwargs={"max_new_tokens": 10, "temperature": 1.0, "max_concurrency": 2})
+        single = StepCollector(ConfigEnvFactory(cfg)(NUM_GROUPS), http(), seed=SEED)
+        expected = single.collect()
+        single.shutdown()
+        with RayStepCollector(ConfigEnvFactory(cfg), http, num_groups=NUM_GROUPS, num_collectors=2,
+                              seed=SEED) as collector:
+            rows = collector.collect()
+            with pytest.raises(RuntimeError, match="update the weights where its engine runs"):
+                collector.update_policy_weights_(tiny_model.state_dict())
+    finally:
+        server.close()
+    assert content(rows) == content(expected)
+    torch.testing.assert_close(log_probs(rows), log_probs(expected), atol=1e-5, rtol=0)
+    assert len(server.requests) == 2 * expected.batch_size[0]  # every step went to the server, twice
+
+
+def test_an_actor_that_fails_to_start_is_named_and_released(cluster, policy_factory):
+    """A broken env factory (an unknown environment): the error names the actor and the cause, and
+    the actors already started are killed (their CPUs back to the cluster)."""
+    from torchrl_agent.collectors import TextEnvFactory
+
+    with pytest.raises(RuntimeError, match=r"(?s)the actors to start: collector actor [01] failed.*no_such_env"):
+        RayStepCollector(TextEnvFactory("no_such_env", policy_factory.model_path), policy_factory,
+                         num_groups=2, num_collectors=2, start_timeout=300)
+    assert free_cpus() == 2
+
+
+def test_bad_arguments_fail_before_starting_actors(cfg, policy_factory):
+    with pytest.raises(ValueError, match="num_collectors"):
+        RayStepCollector(ConfigEnvFactory(cfg), policy_factory, num_groups=2, num_collectors=3)
+    with pytest.raises(ValueError, match="engine"):
+        PolicyFactory("tgi", policy_factory.model_path)
+    with pytest.raises(ValueError, match="base_url"):
+        PolicyFactory("http", policy_factory.model_path)
+
+
+def test_without_ray_the_error_names_the_extra(tmp_path):
+    """Ray made unimportable in a fresh interpreter: the package imports, the collector says what to install."""
+    script = ("import sys; sys.modules['ray'] = None\n"
+              "import torchrl_agent.collectors as c\n"
+              "try:\n"
+              "    c.RayStepCollector(None, None, num_groups=2)\n"
+              "except ImportError as err:\n"
+              "    print('ImportError:', err)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert out.returncode == 0, out.stderr
+    assert "ImportError: RayStepCollector needs Ray" in out.stdout
+    assert "pip install 'torchrl-agent[ray]'" in out.stdout

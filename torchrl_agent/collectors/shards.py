@@ -1,0 +1,268 @@
+"""What the sharded collectors share: the split of the groups, the shard that steps them, the
+coordinator's batch loop, and picklable environment factories.
+
+A sharded collector (:class:`~torchrl_agent.collectors.MultiProcessStepCollector`: processes;
+:class:`~torchrl_agent.collectors.RayStepCollector`: Ray actors) splits the ``num_groups`` groups
+of a batch over ``num_collectors`` workers (:func:`split_groups`). Each worker holds a
+:class:`CollectorShard`: a :class:`~torchrl_agent.collectors.StepCollector` over its groups whose
+:class:`~torchrl_agent.collectors.step_collector.ShardLayout` gives its environments the
+single-process ids (``group_id``, ``traj_id``) and makes its env skip the other shards' group
+seeds, so it plays the same episodes. With a policy that samples each request from its
+``request_seed`` (vLLM; :class:`~torchrl_agent.modules.TransformersPolicy` and
+:class:`~torchrl_agent.modules.http_policy.HTTPPolicy` with ``request_seeds=True``) the rows are
+the single-process collector's rows.
+
+:class:`ShardedCollector` is the coordinator both collectors derive from: it hands batches out
+(``max_batches_ahead``), gathers the shards' rows back in the single-process order (``step_count``,
+then ``traj_id``), keeps the budget, the seed and the state; a subclass only sends commands to
+its workers (:meth:`ShardedCollector._send`) and gathers their answers (:meth:`ShardedCollector._gather`).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase, lazy_stack
+from torchrl.collectors import BaseCollector
+from torchrl.envs import EnvBase
+
+from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, _BatchStats
+from torchrl_agent.modules.policy import LLMPolicy
+
+__all__ = ["CollectorShard", "ConfigEnvFactory", "ShardedCollector", "TextEnvFactory", "split_groups"]
+
+
+def split_groups(num_groups: int, num_shards: int) -> list[tuple[int, int]]:
+    """``(groups, first group)`` of each shard: ``num_groups`` split as evenly as possible, in order."""
+    sizes = [num_groups // num_shards + (r < num_groups % num_shards) for r in range(num_shards)]
+    return [(size, sum(sizes[:r])) for r, size in enumerate(sizes)]
+
+
+class CollectorShard:
+    """A worker's :class:`~torchrl_agent.collectors.StepCollector`: groups ``group_offset ..
+    group_offset + env.num_groups - 1`` of the ``groups_total`` groups of every batch.
+
+    Args:
+        env: the shard's transformed text environment (its ``num_groups`` groups).
+        policy: the shard's policy (an engine of its own, or a client of a shared one).
+        groups_total: the groups of a whole batch (all shards).
+        group_offset: the shard's first group.
+        seed: the collector's seed (the same on every shard).
+    """
+
+    def __init__(self, env: EnvBase, policy: LLMPolicy, *, groups_total: int, group_offset: int, seed: int):
+        self.collector = StepCollector(env, policy, seed=seed)
+        g = self.collector.group_size
+        self.collector.layout = ShardLayout(groups_total, groups_total * g, group_offset, group_offset * g)
+
+    def collect(self, batch: int) -> tuple[TensorDictBase, dict]:
+        """Batch ``batch``'s rows ``[n]`` of this shard and its figures (``env_steps``, ...)."""
+        if self.collector.batches != batch:
+            raise RuntimeError(f"the shard is at batch {self.collector.batches}, asked for batch {batch}")
+        rows = self.collector.collect()
+        return rows, dict(self.collector.stats)
+
+    def set_seed(self, seed: int) -> None:
+        self.collector.set_seed(seed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.collector.load_state_dict(state)
+
+    def update_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Load the trained weights into the shard's engine: its ``update_weights`` (vLLM), or its
+        model (a transformers engine holding a copy of the trained model)."""
+        policy = self.collector.policy
+        if type(policy).update_weights is not LLMPolicy.update_weights:
+            policy.update_weights(state)
+        elif isinstance(getattr(policy, "model", None), torch.nn.Module):
+            policy.model.load_state_dict(state)
+        else:
+            raise TypeError(f"{type(policy).__name__} holds no weights in the collector: update the weights where "
+                            "its engine runs (e.g. the HTTP server)")
+
+    def close(self) -> None:
+        self.collector.shutdown()
+
+
+class ShardedCollector(BaseCollector):
+    """The coordinator of ``num_collectors`` :class:`CollectorShard` workers (see the module notes).
+
+    Subclasses start the workers and implement :meth:`_send` (one command to every worker, in
+    order) and :meth:`_gather` (every worker's answer to ``("collect", epoch, batch)``, in shard
+    order). Commands: ``("collect", epoch, batch)``, ``("seed", seed)``, ``("load", state)``.
+    """
+
+    init_random_frames = 0  # read by TorchRL's Trainer
+
+    def __init__(self, *, num_groups: int, num_collectors: int, seed: int, total_frames: int,
+                 total_batches: int | None, replay_buffer, postproc, max_batches_ahead: int):
+        super().__init__()
+        if not 1 <= num_collectors <= num_groups:
+            raise ValueError(f"num_collectors must be in 1..num_groups={num_groups}, got {num_collectors}")
+        if max_batches_ahead < 0:
+            raise ValueError(f"max_batches_ahead must be >= 0, got {max_batches_ahead}")
+        if total_batches is not None and total_batches < 1:
+            raise ValueError(f"total_batches must be >= 1 or None, got {total_batches}")
+        self.num_groups, self.num_collectors, self.seed = num_groups, num_collectors, seed
+        self.shards = split_groups(num_groups, num_collectors)  # (groups, first group) per worker
+        self.total_frames, self.total_batches = total_frames, total_batches
+        self.requested_frames_per_batch = self.frames_per_batch = None  # a batch is one episode per env
+        self.replay_buffer, self.postproc, self.max_batches_ahead = replay_buffer, postproc, max_batches_ahead
+        self.batches, self._frames, self._granted, self._epoch = 0, 0, 0, 0
+        self.stats: _BatchStats = _BatchStats(self)
+        self._closed = False
+
+    # ------------------------------------------------------------------ the workers (subclasses)
+    def _send(self, command: tuple) -> None:
+        """Send ``command`` to every worker (workers run their commands in order)."""
+        raise NotImplementedError
+
+    def _gather(self, batch: int) -> list[tuple[TensorDictBase, dict]]:
+        """Every worker's ``(rows, figures)`` of ``(self._epoch, batch)``, in shard order; answers of an
+        earlier epoch are dropped."""
+        raise NotImplementedError
+
+    def _drop_in_flight(self) -> None:
+        """Forget the answers of the current epoch not gathered yet (called before a restart)."""
+
+    # ------------------------------------------------------------------ collection
+    def _grant(self, batch: int) -> None:
+        """Command batches ``self._granted .. batch + max_batches_ahead`` from every shard (the ones
+        ahead only within ``total_batches``)."""
+        last = batch + self.max_batches_ahead
+        if self.total_batches is not None:
+            last = max(batch, min(last, self.total_batches - 1))
+        while self._granted <= last:
+            self._send(("collect", self._epoch, self._granted))
+            self._granted += 1
+
+    def collect(self) -> TensorDictBase:
+        """The next batch: one episode in every environment of every shard, rows ``[N]`` in the
+        single-process order."""
+        if self._closed:
+            raise RuntimeError("the collector was shut down")
+        t0 = time.perf_counter()
+        batch = self.batches
+        self._grant(batch)
+        shards = self._gather(batch)
+        rows = [row for shard_rows, _ in shards for row in shard_rows.unbind(0)]
+        rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
+        self.batches += 1
+        self._frames += len(rows)
+        elapsed = time.perf_counter() - t0
+        figures = {key: sum(stats[key] for _, stats in shards)
+                   for key in ("env_steps", "generated_tokens", "generation_slots")}
+        self.stats = _BatchStats(self, {"collect_time_s": elapsed, **figures,
+                                        "env_steps_per_s": figures["env_steps"] / elapsed,
+                                        "tokens_per_s": figures["generated_tokens"] / elapsed,
+                                        "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
+        return lazy_stack(rows)
+
+    # the same loop and budget as the single-process collector's
+    iterator = StepCollector.iterator
+    _budget_spent = StepCollector._budget_spent
+
+    @property
+    def _iter(self) -> int:
+        return self.batches - 1
+
+    def __len__(self) -> int:
+        return StepCollector.__len__(self)
+
+    # ------------------------------------------------------------------ control
+    def _restart_at(self, command: tuple, batches: int) -> None:
+        self._drop_in_flight()
+        self._epoch += 1  # batches still in flight belong to the old epoch: dropped when they arrive
+        self._send(command)
+        self.batches = self._granted = batches
+
+    def set_seed(self, seed: int, static_seed: bool = False) -> int:
+        """Restart collection from ``seed`` on every shard."""
+        self.seed, self._frames = seed, 0
+        self._restart_at(("seed", seed), 0)
+        return seed
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "seed": self.seed, "frames": self._frames}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seed, self._frames = state["seed"], state.get("frames", 0)
+        self._restart_at(("load", dict(state)), state["batches"])
+
+    def get_model(self, model_id: str):
+        raise KeyError("the policies live in the collector workers: pass the weights to update_policy_weights_")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.shutdown()
+
+
+@dataclass
+class TextEnvFactory:
+    """A picklable ``env_factory``: ``make_env(name, num_groups=..., group_size=..., **env_kwargs)``
+    under window memory, the env's prompt template and the action projection.
+
+    Args:
+        name: a registered environment (``"numberline"``, ``"alfworld"``, ...); also the prompt template.
+        tokenizer_path: the model folder whose tokenizer renders the prompts.
+        group_size, memory_window, action_format: as in the training config (``env.group_size``,
+            ``memory.window``, ``env.action_format``).
+        env_kwargs: more keyword arguments of the environment (``max_steps``, ...).
+    """
+
+    name: str
+    tokenizer_path: str
+    group_size: int = 1
+    memory_window: int = 2
+    action_format: str = "tags"
+    env_kwargs: dict = field(default_factory=dict)
+
+    def __call__(self, num_groups: int) -> EnvBase:
+        from torchrl.envs import Compose, TransformedEnv
+        from transformers import AutoTokenizer
+
+        from torchrl_agent.envs import make_env
+        from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
+
+        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        env = make_env(self.name, num_groups=num_groups, group_size=self.group_size, **self.env_kwargs)
+        return TransformedEnv(env, Compose(WindowMemory(self.memory_window), PromptTransform(tokenizer, self.name),
+                                           ActionProjection(self.action_format)))
+
+
+@dataclass
+class ConfigEnvFactory:
+    """A picklable ``env_factory`` from a training config: the trainer's own environment
+    (:func:`~torchrl_agent.trainers.trainer.build_env`: memory, prompt budget, template, projection
+    of ``cfg``) with ``num_groups`` groups.
+
+    Args:
+        cfg: a :class:`~torchrl_agent.trainers.config.TrainConfig` (``compose_config([...])``).
+            ``memory.kind=summary`` needs the policy in the env, which a factory does not have.
+    """
+
+    cfg: Any
+
+    def __post_init__(self):
+        if self.cfg.memory.kind == "summary":
+            raise ValueError("memory.kind=summary summarises with the policy: not available to an env factory")
+
+    def __call__(self, num_groups: int) -> EnvBase:
+        from transformers import AutoTokenizer
+
+        from torchrl_agent.models import model_path
+        from torchrl_agent.trainers.trainer import build_env
+
+        cfg = copy.deepcopy(self.cfg)
+        cfg.env.num_groups = num_groups
+        return build_env(cfg, AutoTokenizer.from_pretrained(model_path(cfg.model)))
