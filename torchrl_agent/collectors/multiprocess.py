@@ -89,9 +89,11 @@ class EngineClient(LLMPolicy):
                 for p, (too_long, response, log_probs, cached) in zip(ids, results)]
 
 
-def _engine_main(engine_kwargs: dict, requests, responses: list, acks) -> None:
+def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: int = 1) -> None:
     """The engine server: admit requests as they come, step the engine, answer finished calls."""
     parent = os.getppid()
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # before the engine's OpenMP runtime starts
+    torch.set_num_threads(threads)
     try:
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -255,6 +257,9 @@ class MultiProcessStepCollector(ShardedCollector):
         seed, total_frames, total_batches, replay_buffer, postproc: as for :class:`StepCollector`.
         max_batches_ahead: batches a shard may collect beyond the one being consumed (0: on-policy).
         start_timeout: seconds to wait for the processes to start.
+        engine_threads: torch/OpenMP threads of the engine server (default 1: the collector processes
+            step their games on the other cores, and a small model's engine step does not get faster
+            with more threads; measured in ``benchmarks/collector_throughput.py``).
 
     Example::
 
@@ -268,7 +273,11 @@ class MultiProcessStepCollector(ShardedCollector):
 
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
-                 replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0):
+                 replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0,
+                 engine_threads: int = 1):
+        if engine_threads < 1:
+            raise ValueError(f"engine_threads must be >= 1, got {engine_threads}")
+        self.engine_threads = engine_threads
         if "model_path" not in engine:
             raise ValueError("engine: 'model_path' is required (the VLLMPolicy keyword arguments)")
         super().__init__(num_groups=num_groups, num_collectors=num_collectors, seed=seed, total_frames=total_frames,
@@ -285,8 +294,8 @@ class MultiProcessStepCollector(ShardedCollector):
         self._requests, self._acks, self._data = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self._responses = [ctx.Queue() for _ in range(k)]
         self._commands = [ctx.Queue() for _ in range(k)]
-        self._engine = ctx.Process(target=_engine_main, args=(engine, self._requests, self._responses, self._acks),
-                                   name="torchrl_agent-engine", daemon=True)
+        self._engine = ctx.Process(target=_engine_main, name="torchrl_agent-engine", daemon=True,
+                                   args=(engine, self._requests, self._responses, self._acks, self.engine_threads))
         self._engine.start()
         client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
                   "temperature": engine.get("temperature", 1.0)}
@@ -357,6 +366,9 @@ class MultiProcessStepCollector(ShardedCollector):
         if self._closed:
             return
         self._closed = True
+        if not hasattr(self, "_engine"):  # __init__ failed before any process started
+            return
+        self._workers = getattr(self, "_workers", [])  # the engine started, the collectors did not
         for commands, w in zip(self._commands, self._workers):
             if w.is_alive():
                 commands.put(("stop",))

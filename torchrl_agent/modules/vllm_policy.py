@@ -157,7 +157,11 @@ class VLLMPolicy(LLMPolicy):
         self.llm = self._build_engine(dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
-            logprobs_mode="processed_logprobs", generation_config="vllm", **(engine_kwargs or {}),
+            logprobs_mode="processed_logprobs", generation_config="vllm",
+            # every request carries its own seeded generator; a prompt prefilled in chunks has its
+            # partial step's sample discarded, and vLLM then rewinds the generator's offset, which a
+            # CPU generator refuses ("CPU Generator does not use offset"): whole prompts only
+            enable_chunked_prefill=False, **(engine_kwargs or {}),
         ))
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         limit = self.max_model_len - self.max_new_tokens
