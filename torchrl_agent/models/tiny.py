@@ -66,12 +66,18 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TORCHRL_AGENT_CACHE", Path.home() / ".cache" / "torchrl_agent"))
 
 
-def tiny_corpus() -> list[str]:
-    """The tokenizer's training text: prompt templates, tag format and seeded episodes' text."""
+#: Prompt templates added after the ``tiny`` recipe was fixed: in ``tiny-large``'s corpus only (a changed
+#: corpus rebuilds ``tiny`` into another model, and every figure measured on it would move).
+_NOT_IN_TINY = ("numberline_short",)
+
+
+def tiny_corpus(*, all_templates: bool = False) -> list[str]:
+    """The tokenizer's training text: prompt templates, tag format and seeded episodes' text
+    (``all_templates``: also the templates of :data:`_NOT_IN_TINY`)."""
     from torchrl_agent.envs import make_env
     from torchrl_agent.envs.transforms.prompt import PROMPT_TEMPLATES
 
-    texts = list(PROMPT_TEMPLATES.values())
+    texts = [t for name, t in PROMPT_TEMPLATES.items() if all_templates or name not in _NOT_IN_TINY]
     texts += [
         "<think>The target is larger, so I move right.</think><action>+</action>",
         "<think>The target is smaller, so I move left.</think><action>-</action>",
@@ -93,7 +99,7 @@ def large_corpus() -> list[str]:
     from torchrl_agent.envs import make_env
     from torchrl_agent.trainers.warm_start import expert_response
 
-    texts = tiny_corpus()
+    texts = tiny_corpus(all_templates=True)
     for name in ("sokoban", "ezpoints", "points24"):
         env = make_env(name, num_groups=16, group_size=1, seed=0)
         td = env.reset()
