@@ -18,10 +18,12 @@ from torchrl_agent.objectives import token_gae
 from torchrl_agent.objectives.ppo import _compact, _discount_matrix, _token_rewards
 
 
-def matrix_gae(values, mask, scores, gamma, lmbda):
-    """The previous implementation: TD errors of each left-aligned response times a [T, T] matrix."""
+def matrix_gae(values, mask, scores, gamma, lmbda, token_rewards=None):
+    """The previous ``token_gae`` (before it used TorchRL's GAE): TD errors of each left-aligned
+    response times a [T, T] discount matrix. Also the reference of
+    ``tests/test_objectives.py::test_token_gae_through_torchrl_equals_the_matrix_form``."""
     n, t = mask.shape
-    r, length, back = _token_rewards(mask, scores, None, values.dtype)
+    r, length, back = _token_rewards(mask, scores, token_rewards, values.dtype)
     v, _, _ = _compact(values, mask)
     idx = torch.arange(t)[None, :]
     v_next = torch.where(idx + 1 < length[:, None], torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=v.dtype)], -1), 0.0)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
 from collections import defaultdict
 from difflib import SequenceMatcher
 
@@ -759,18 +761,12 @@ def test_token_gae_matches_reference_loop(gamma, lmbda):
 
 
 def _matrix_gae(values, mask, scores, gamma, lmbda, token_rewards):
-    """The previous ``token_gae`` (before it used TorchRL's GAE): the discounted sum of TD errors
-    over each left-aligned response as a ``[T, T]`` discount-matrix product."""
-    from torchrl_agent.objectives.ppo import _compact, _discount_matrix, _token_rewards
-
-    n, t = mask.shape
-    r, length, back = _token_rewards(mask, scores, token_rewards, values.dtype)
-    v, _, _ = _compact(values, mask)
-    idx = torch.arange(t)[None, :]
-    v_next = torch.where(idx + 1 < length[:, None], torch.cat([v[:, 1:], torch.zeros(n, 1, dtype=v.dtype)], -1), 0.0)
-    delta = torch.where(idx < length[:, None], r + gamma * v_next - v, 0.0)
-    adv = delta @ _discount_matrix(t, gamma * lmbda, values.dtype, values.device)
-    return back(adv), back(adv + v)
+    """The previous ``token_gae``'s discount-matrix form, from ``benchmarks/gae_speed.py`` (one copy)."""
+    spec = importlib.util.spec_from_file_location(
+        "gae_speed_bench", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "gae_speed.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.matrix_gae(values, mask, scores, gamma, lmbda, token_rewards)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
