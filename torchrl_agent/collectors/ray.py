@@ -30,6 +30,7 @@ project's ``EngineReloadScheme`` for the weights.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -255,6 +256,15 @@ class RayStepCollector(ShardedCollector):
                 pass
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
+        # ray.kill is asynchronous: return once every actor is gone (its resources back to the cluster)
+        deadline = time.monotonic() + (timeout or 30.0)
+        for actor in self._actors:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get(actor.ready.remote(), timeout=max(0.1, deadline - time.monotonic()))
+                except Exception:  # RayActorError: the kill has landed
+                    break
+                time.sleep(0.05)
         self._actors = []
 
 
