@@ -9,6 +9,11 @@ Rules (as gym-cards' ``NumberLineEnv`` in verl-agent): actions ``-`` and ``+``; 
 reaching the target (the episode ends, solved), -1 for a move that does not get closer (also a
 move into the end of the line), 0 otherwise; 10 steps at most. Any other action is a no-op with
 reward ``invalid_reward`` (default 0: the reference's unparseable action, index -1).
+
+``observation`` (ours) chooses how the state is written: ``"absolute"`` (the reference: "Position: 3.
+Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
+your right.", the offset the way the BabyAI rendering gives its objects: a model reads the move off a
+word). Both describe the same state; only the reading differs.
 """
 
 from __future__ import annotations
@@ -25,14 +30,18 @@ class NumberLineGame(TextGame):
 
     ACTIONS = ("-", "+")
 
+    OBSERVATIONS = ("absolute", "relative")
+
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 invalid_reward: float = 0.0):
+                 invalid_reward: float = 0.0, observation: str = "absolute"):
+        if observation not in self.OBSERVATIONS:
+            raise ValueError(f"NumberLine: observation must be one of {self.OBSERVATIONS}, got {observation!r}")
         if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
             raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
                              f"({max_distance}) <= max_position ({max_position})")
         self.max_position, self.min_distance = max_position, min_distance
         self.max_distance = max_distance or max_position
-        self.invalid_reward = float(invalid_reward)
+        self.invalid_reward, self.observation = float(invalid_reward), observation
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
@@ -55,8 +64,15 @@ class NumberLineGame(TextGame):
 
     def _state(self) -> GameState:
         expert = "+" if self.target > self.position else "-" if self.target < self.position else ""
+        offset = self.target - self.position
+        if self.observation == "absolute":
+            text = f"Position: {self.position}. Target: {self.target}."
+        elif offset:
+            text = f"The target is {abs(offset)} step{'s' if abs(offset) != 1 else ''} to your {'right' if offset > 0 else 'left'}."
+        else:
+            text = "You are on the target."
         return GameState(
-            observation=f"Position: {self.position}. Target: {self.target}.",
+            observation=text,
             task=f"Move the marker along the number line 0..{self.max_position} until it reaches the target.",
             admissible_actions=self.ACTIONS,
             expert_action=expert,
@@ -67,6 +83,7 @@ class NumberLineEnv(TextEnv):
     """A batch of NumberLine games. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 invalid_reward: float = 0.0, max_steps: int = 10, **kwargs):
-        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance, invalid_reward),
+                 invalid_reward: float = 0.0, observation: str = "absolute", max_steps: int = 10, **kwargs):
+        NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation)  # check the arguments now
+        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation),
                          max_steps=max_steps, **kwargs)
