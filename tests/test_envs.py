@@ -402,3 +402,56 @@ def test_babyai_bot_solves_levels():
     assert _run_expert(env, 64).all()
     with pytest.raises(ValueError, match="level"):
         make_env("babyai", level="BabyAI-NoSuchLevel-v0")
+
+
+def test_babyai_action_subset():
+    """``actions``: only those moves are admissible and valid; the bot still solves GoToObj with the
+    three navigation moves; an unknown move name fails at construction."""
+    moves = ["turn left", "turn right", "go forward"]
+    env = make_env("babyai", num_groups=8, group_size=1, seed=0, level="BabyAI-GoToObj-v0", actions=moves)
+    td = env.reset()
+    assert list(td["admissible_actions"]) == ["\n".join(moves)] * 8
+    assert _run_expert(env, 32).all()
+    game = BabyAIGame("BabyAI-GoToObj-v0", actions=moves)
+    before = game.reset(0).observation
+    for outside in ("pick up", "done", "toggle"):  # moves of the level, not of this agent: invalid, no env step
+        state, reward, term, success = game.step(outside)
+        assert (reward, term, success) == (0.0, False, False) and state.observation == before
+    assert game.step("left")[0].observation != before  # the short name of an allowed move still parses
+    with pytest.raises(ValueError, match="fly"):
+        make_env("babyai", actions=["turn left", "fly"])
+
+
+def test_babyai_distance_shaping_telescopes_to_the_start_distance():
+    """``shaping="distance"``: over any episode that reaches the goal the shaping terms add up to
+    the start's BFS distance (a potential difference); the bot never beats that distance; a turn and
+    the turn back cancel out; an invalid answer costs ``invalid_reward``; a non-GoTo level is refused."""
+    from torchrl_agent.envs.gymnasium_adapter import goto_distance
+
+    game = BabyAIGame("BabyAI-GoToObj-v0", shaping="distance", invalid_reward=-1.0)
+    plain = BabyAIGame("BabyAI-GoToObj-v0")
+    for seed in range(12):
+        state = game.reset(seed)
+        plain.reset(seed)
+        start, total, level_total, moves = goto_distance(game.env), 0.0, 0.0, 0
+        while True:
+            action = state.expert_action
+            state, reward, done, success = game.step(action)
+            total += reward
+            level_total += plain.step(action)[1]
+            moves += 1
+            if done:
+                break
+        assert success and moves >= start
+        assert abs(total - level_total - start) < 1e-9
+    state = game.reset(0)
+    assert game.step("fly")[1] == -1.0  # invalid: the configured reward, no env step, no shaping
+    d = goto_distance(game.env)
+    _, away, *_ = game.step("turn left")
+    _, back, *_ = game.step("turn right")
+    assert away + back == 0.0 and {away, back} <= {-1.0, 0.0, 1.0}
+    assert goto_distance(game.env) == d
+    with pytest.raises(ValueError, match="GoTo"):
+        BabyAIGame("BabyAI-PickupLoc-v0", shaping="distance").reset(0)
+    with pytest.raises(ValueError, match="shaping"):
+        make_env("babyai", shaping="manhattan")

@@ -134,3 +134,34 @@ def test_numberline_invalid_reward_is_what_a_no_op_returns():
         before = game.reset(3).observation
         state, r, terminated, truncated = game.step("jump")
         assert (r, terminated, truncated, state.observation) == (reward, False, False, before)
+
+
+def test_numberline_relative_observation_describes_the_same_state():
+    """The relative observation is the offset to the target, step after step, and the game (moves,
+    rewards, expert) is the absolute one's: same seed, same actions, same outcome."""
+    from torchrl_agent.envs.numberline import NumberLineGame
+
+    absolute = NumberLineGame(max_position=9, min_distance=6, max_distance=9)
+    relative = NumberLineGame(max_position=9, min_distance=6, max_distance=9, observation="relative")
+    for seed in range(20):
+        a, r = absolute.reset(seed), relative.reset(seed)
+        for step in range(14):
+            action = ["+", "-", "+", "+", "x"][step] if step < 5 else a.expert_action
+            pos, target = (int(x) for x in re.findall(r"Position: (\d+)\. Target: (\d+)\.", a.observation)[0])
+            offset = target - pos
+            side = "right" if offset > 0 else "left"
+            unit = "step" if abs(offset) == 1 else "steps"
+            assert r.observation == f"The target is {abs(offset)} {unit} to your {side}."
+            assert r.expert_action == a.expert_action
+            a, ra, ta, _ = absolute.step(action)
+            r, rr, tr, _ = relative.step(action)
+            assert (ra, ta) == (rr, tr)
+            if ta:
+                assert r.observation == "You are on the target."
+                break
+    try:
+        NumberLineGame(observation="visual")
+    except ValueError as err:
+        assert "observation" in str(err)
+    else:
+        raise AssertionError("an unknown observation kind was accepted")

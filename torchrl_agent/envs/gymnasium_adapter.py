@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -143,6 +143,52 @@ def parse_babyai_action(text: str) -> int | None:
     return BABYAI_ACTIONS.get(key, _ALIASES.get(key))
 
 
+def check_babyai_actions(actions: Sequence[str]) -> tuple[str, ...]:
+    """``actions`` as a tuple of :data:`BABYAI_ACTIONS` names; a ValueError names an unknown one."""
+    unknown = [a for a in actions if a not in BABYAI_ACTIONS]
+    if unknown or not actions:
+        raise ValueError(f"BabyAI actions must be a non-empty subset of {list(BABYAI_ACTIONS)}, got {list(actions)}")
+    return tuple(actions)
+
+
+#: MiniGrid's ``DIR_TO_VEC``: the cell in front for agent directions 0 (east) .. 3 (north)
+_FRONT = ((1, 0), (0, 1), (-1, 0), (0, -1))
+
+
+def goto_distance(env) -> int | None:
+    """The fewest navigation moves (turn left, turn right, go forward) after which the agent faces one
+    of the objects of its GoTo mission from the next cell (the level's success), by breadth-first
+    search over (cell, direction); None when no object can be reached. Raises for a level whose
+    mission is not "go to ..."."""
+    from minigrid.envs.babyai.core.verifier import GoToInstr
+
+    u = env.unwrapped
+    if not isinstance(u.instrs, GoToInstr):
+        raise ValueError(f"distance shaping needs a GoTo mission, got {type(u.instrs).__name__} ({u.mission!r})")
+    goals = {tuple(int(v) for v in pos) for pos in u.instrs.desc.obj_poss}
+    start = (int(u.agent_pos[0]), int(u.agent_pos[1]), int(u.agent_dir))
+    frontier, seen = [start], {start}
+    for distance in range(4 * u.grid.width * u.grid.height):
+        following = []
+        for x, y, d in frontier:
+            fx, fy = x + _FRONT[d][0], y + _FRONT[d][1]
+            if (fx, fy) in goals:
+                return distance
+            moves = [(x, y, (d - 1) % 4), (x, y, (d + 1) % 4)]
+            if 0 <= fx < u.grid.width and 0 <= fy < u.grid.height:
+                cell = u.grid.get(fx, fy)
+                if cell is None or cell.can_overlap():
+                    moves.append((fx, fy, d))
+            for move in moves:
+                if move not in seen:
+                    seen.add(move)
+                    following.append(move)
+        if not following:
+            return None
+        frontier = following
+    return None
+
+
 def _steps(n: int, word: str) -> str:
     return f"{n} step{'s' if n != 1 else ''} {word}"
 
@@ -212,26 +258,57 @@ class BabyAIGame(GymnasiumTextGame):
         level: a registered BabyAI level id, e.g. ``"BabyAI-GoToLocal-v0"``.
         gym_max_steps: the level's own time limit (set high so that :class:`TextEnv` truncates first).
         expert: run the bot (it costs a BFS per step).
+        actions: the admissible moves (default: all seven); any other answer is invalid.
+        shaping: ``"distance"`` adds the potential-based shaping term ``d(s) - d(s')`` to every step's
+            reward (Ng et al., 1999: the optimal policies are unchanged), where ``d`` is
+            :func:`goto_distance`: +1 for a move that brings the agent one move closer to the goal, -1 for
+            one that takes it further, 0 for a wasted one. GoTo levels only. Success is the level's.
+        invalid_reward: the reward of an answer that is not an admissible move (no env step).
     """
 
-    def __init__(self, level: str = "BabyAI-GoToLocal-v0", gym_max_steps: int = 10_000, expert: bool = True):
+    SHAPINGS = (None, "distance")
+
+    def __init__(self, level: str = "BabyAI-GoToLocal-v0", gym_max_steps: int = 10_000, expert: bool = True,
+                 actions: Sequence[str] | None = None, shaping: str | None = None, invalid_reward: float = 0.0):
+        if shaping not in self.SHAPINGS:
+            raise ValueError(f"BabyAI: shaping must be one of {self.SHAPINGS}, got {shaping!r}")
+        self.shaping, self._distance = shaping, None
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI levels)
 
         self.use_expert = expert
         self._bot = None
+        actions = tuple(BABYAI_ACTIONS) if actions is None else check_babyai_actions(actions)
+        allowed = {BABYAI_ACTIONS[a] for a in actions}
+
+        def parse(text: str) -> int | None:  # a move outside ``actions`` is an invalid answer
+            index = parse_babyai_action(text)
+            return index if index in allowed else None
+
         super().__init__(
             lambda: gymnasium.make(level, max_steps=gym_max_steps, disable_env_checker=True),
             render_babyai,
-            parse_babyai_action,
-            admissible_actions=tuple(BABYAI_ACTIONS),
+            parse,
+            admissible_actions=actions,
             task=lambda obs: str(obs["mission"]),
             task_type=level,
+            invalid_action_reward=invalid_reward,
         )
 
     def reset(self, seed: int) -> GameState:
         with contextlib.redirect_stdout(io.StringIO()):  # minigrid prints when it redraws a level
-            return super().reset(seed)
+            state = super().reset(seed)
+        if self.shaping:
+            self._distance = goto_distance(self.env)
+        return state
+
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        state, reward, done, success = super().step(action)
+        if self.shaping and state.observation is not None:
+            before, self._distance = self._distance, goto_distance(self.env)
+            if before is not None and self._distance is not None:
+                reward += before - self._distance
+        return state, reward, done, success
 
     def expert_reset(self) -> str:
         self._bot = None
@@ -264,9 +341,14 @@ class BabyAIEnv(TextEnv):
             distractors).
         expert: fill ``expert_action`` from the BabyAI bot (default True).
         max_steps: steps per episode (default 64).
+        actions: the moves the agent may use (default: all seven of :data:`BABYAI_ACTIONS`); any other
+            answer is invalid. ``["turn left", "turn right", "go forward"]`` is enough for the GoTo levels.
+        shaping, invalid_reward: as :class:`BabyAIGame`'s (``shaping="distance"``: GoTo levels only).
     """
 
-    def __init__(self, *, level: str = "BabyAI-GoToLocal-v0", expert: bool = True, max_steps: int = 64, **kwargs):
+    def __init__(self, *, level: str = "BabyAI-GoToLocal-v0", expert: bool = True, max_steps: int = 64,
+                 actions: Sequence[str] | None = None, shaping: str | None = None, invalid_reward: float = 0.0,
+                 **kwargs):
         try:
             import gymnasium
             import minigrid  # noqa: F401
@@ -274,4 +356,8 @@ class BabyAIEnv(TextEnv):
             raise ImportError("the babyai env needs the PyPI package 'minigrid' (pip install minigrid)") from err
         if level not in gymnasium.registry:
             raise ValueError(f"unknown BabyAI level {level!r}; e.g. 'BabyAI-GoToLocal-v0'")
-        super().__init__(lambda: BabyAIGame(level, max(10 * max_steps, 1000), expert), max_steps=max_steps, **kwargs)
+        actions = None if actions is None else check_babyai_actions(list(actions))
+        if shaping not in BabyAIGame.SHAPINGS:
+            raise ValueError(f"BabyAI: shaping must be one of {BabyAIGame.SHAPINGS}, got {shaping!r}")
+        super().__init__(lambda: BabyAIGame(level, max(10 * max_steps, 1000), expert, actions, shaping, invalid_reward),
+                         max_steps=max_steps, **kwargs)

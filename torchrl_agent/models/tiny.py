@@ -68,7 +68,7 @@ def cache_dir() -> Path:
 
 #: Prompt templates added after the ``tiny`` recipe was fixed: in ``tiny-large``'s corpus only (a changed
 #: corpus rebuilds ``tiny`` into another model, and every figure measured on it would move).
-_NOT_IN_TINY = ("numberline_short",)
+_NOT_IN_TINY = ("numberline_short", "babyai_short")
 
 
 def tiny_corpus(*, all_templates: bool = False) -> list[str]:
@@ -94,14 +94,17 @@ def tiny_corpus(*, all_templates: bool = False) -> list[str]:
 
 
 def large_corpus() -> list[str]:
-    """``tiny-large``'s tokenizer text: :func:`tiny_corpus` plus seeded Sokoban, EZPoints and
-    Points24 episodes (their observations and the expert's responses)."""
+    """``tiny-large``'s tokenizer text: :func:`tiny_corpus` plus seeded Sokoban, EZPoints, Points24,
+    BabyAI (``GoToObj``) and relative-offset NumberLine episodes (their observations and the
+    expert's responses)."""
     from torchrl_agent.envs import make_env
     from torchrl_agent.trainers.warm_start import expert_response
 
     texts = tiny_corpus(all_templates=True)
-    for name in ("sokoban", "ezpoints", "points24"):
-        env = make_env(name, num_groups=16, group_size=1, seed=0)
+    for name, kwargs in (("sokoban", {}), ("ezpoints", {}), ("points24", {}),
+                         ("babyai", {"level": "BabyAI-GoToObj-v0"}),
+                         ("numberline", {"observation": "relative", "max_position": 9})):
+        env = make_env(name, num_groups=16, group_size=1, seed=0, **kwargs)
         td = env.reset()
         for _ in range(4):
             texts += list(td["task"]) + list(td["observation"]) + list(td["admissible_actions"])

@@ -75,6 +75,10 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "Move the marker to the target: + right, - left.\n"
         "{observation}"
     ),
+    "babyai_short": (
+        "{task}\n"
+        "{observation}"
+    ),
     "ezpoints_short": (
         "Write a formula equal to 12 using each card once, one token at a time, then =.\n"
         "{history}\n"
