@@ -289,7 +289,8 @@ class MultiProcessStepCollector(ShardedCollector):
         engine: keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` (``model_path``
             required; ``max_new_tokens``, ``temperature``, ``max_model_len``, ...), built in the
             engine server.
-        num_groups: groups per batch, split as evenly as possible over the collector processes.
+        num_groups: groups per batch, split as evenly as possible over the shards (in order: the
+            shards of process 0 first).
         num_collectors: collector processes (at most ``num_groups``).
         shards_per_collector: shards of the groups each collector process steps, one thread each
             (default 2; at most ``num_groups`` shards in all): while one shard waits for the engine
