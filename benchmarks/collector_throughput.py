@@ -47,7 +47,11 @@ same in every configuration. Every configuration collects the same rows (checked
 ``env_steps_per_s``. ``speedup_multiprocess_vs_single`` is the best ``mpK`` over ``single``.
 Where the time goes: ``generation_s`` / ``other_s`` for the single-process runs, and for the
 multi-process runs ``engine_busy_s`` (time the engine server spent in ``engine.step``) and the
-shards' own collection times.
+shards' own collection times. ``cpu_s`` is the CPU time (user + sys) of each process over the
+collection (``main``; ``engine`` and ``collectors`` for the multi-process runs) and
+``cpu_ms_per_env_step`` their sum per row: unlike the wall times, a measure other jobs on the
+machine barely move (the single process's in-process engine runs torch's default threads, whose
+OpenMP spinning on a busy machine shows up as CPU time too).
 
 Prints one JSON object as the LAST line::
 
@@ -277,6 +281,16 @@ def alfworld_env(model_path: str, max_steps: int, num_groups: int, group_size: i
     return TransformedEnv(env, Compose(WindowMemory(2), PromptTransform(tokenizer, "alfworld"), ActionProjection()))
 
 
+def _cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of process ``pid`` (``None``: this one), all its threads."""
+    if pid is None:
+        t = os.times()
+        return t.user + t.system
+    with open(f"/proc/{pid}/stat") as f:  # Linux: fields 14, 15 (utime, stime) in clock ticks
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _row_keys(rows) -> list:
     return [(int(r["traj_id"]), int(r["step_count"]), r["text", "response"], r["action"], float(r["reward"]))
             for r in rows.unbind(0)]
@@ -297,17 +311,17 @@ def _run_single(args, engine: dict, lockstep: bool) -> dict:
         collector = StepCollector(env, policy, seed=args.seed, lockstep=lockstep)
         rows, slots = [], 0
         with _GenerationTimer(policy) as timer:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _cpu_s()
             for _ in range(args.batches):
                 rows += _row_keys(collector.collect())
                 slots += collector.stats["generation_slots"]
-            elapsed = time.perf_counter() - t0
+            elapsed, cpu = time.perf_counter() - t0, {"main": _cpu_s() - cpu0}
     finally:
         policy.close()
         env.close()
     return {"time_s": elapsed, "rows": len(rows), "env_steps_per_s": len(rows) / elapsed, "startup_s": startup,
             "generation_s": timer.seconds, "other_s": elapsed - timer.seconds, "generation_slots": slots,
-            "row_keys": rows}
+            "cpu_s": cpu, "cpu_ms_per_env_step": 1000 * cpu["main"] / len(rows), "row_keys": rows}
 
 
 def _run_multi(args, engine: dict, processes: int) -> dict:
@@ -323,12 +337,15 @@ def _run_multi(args, engine: dict, processes: int) -> dict:
     startup = time.perf_counter() - t0
     try:
         before = collector.engine_stats()
+        pids = {"engine": collector._engine.pid, **{f"collector{r}": w.pid for r, w in enumerate(collector._workers)}}
         rows, shard_s = [], []
+        cpu0 = {"main": _cpu_s(), **{name: _cpu_s(pid) for name, pid in pids.items()}}
         t0 = time.perf_counter()
         for batch in collector:
             rows += _row_keys(batch)
             shard_s.append(collector.stats["shard_collect_time_s"])
         elapsed = time.perf_counter() - t0
+        cpu = {"main": _cpu_s() - cpu0["main"], **{name: _cpu_s(pid) - cpu0[name] for name, pid in pids.items()}}
         after = collector.engine_stats()
         engine_busy = after["busy_s"] - before["busy_s"]
         engine_steps = after["engine_steps"] - before["engine_steps"]
@@ -338,8 +355,15 @@ def _run_multi(args, engine: dict, processes: int) -> dict:
     return {"time_s": elapsed, "rows": len(rows), "env_steps_per_s": len(rows) / elapsed, "startup_s": startup,
             "engine_busy_s": engine_busy, "engine_busy_fraction": engine_busy / elapsed,
             "engine_steps": engine_steps, "engine_s_per_step": engine_busy / max(engine_steps, 1),
-            "engine_mean_batch": mean_batch,
+            "engine_mean_batch": mean_batch, "cpu_s": cpu,
+            "cpu_ms_per_env_step": 1000 * sum(cpu.values()) / len(rows),
             "shard_collect_time_s": shard_s, "row_keys": rows}
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 3)
+    return {k: _rounded(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
 def alfworld_main(args) -> dict:
@@ -375,8 +399,7 @@ def alfworld_main(args) -> dict:
         "best_multiprocess": best,
         "same_rows": same_rows,
         "episode_length": {str(k): lengths[k] for k in sorted(lengths)},
-        "runs": {name: {k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
-                 for name, r in runs.items()},
+        "runs": {name: {k: _rounded(v) for k, v in r.items()} for name, r in runs.items()},
     }
     out["config"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     out["wall_s"] = round(time.perf_counter() - t_all, 1)

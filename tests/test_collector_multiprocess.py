@@ -73,11 +73,14 @@ def single_rows(tiny_path):
     return batches
 
 
-def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows):
+@pytest.mark.parametrize("num_collectors,shards_per_collector", [(2, 2), (1, 3)])
+def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows, num_collectors, shards_per_collector):
+    """(2, 2): two processes of two one-group shards (threads); (1, 3): one process, shards of 2, 1, 1 groups."""
     env_factory = functools.partial(numberline_env, str(tiny_path))
     rb = ReplayBuffer(storage=LazyStackStorage(1000))
-    with MultiProcessStepCollector(env_factory, engine_kwargs(tiny_path), num_groups=4, num_collectors=2, seed=7,
-                                   total_batches=2) as collector:
+    with MultiProcessStepCollector(env_factory, engine_kwargs(tiny_path), num_groups=4, num_collectors=num_collectors,
+                                   seed=7, total_batches=2, shards_per_collector=shards_per_collector) as collector:
+        assert [groups for groups, _ in collector.shards] == ([1, 1, 1, 1] if num_collectors == 2 else [2, 1, 1])
         batches = list(collector)  # the standard TorchRL loop; ends after total_batches
         assert len(batches) == 2
         collector.update_policy_weights_(perturbed(tiny_path))  # to the engine server, acknowledged
@@ -111,3 +114,6 @@ def test_bad_arguments_fail_before_starting_processes(tiny_path):
     with pytest.raises(ValueError, match="num_collectors"):
         MultiProcessStepCollector(functools.partial(numberline_env, str(tiny_path)), engine_kwargs(tiny_path),
                                   num_groups=2, num_collectors=3)
+    with pytest.raises(ValueError, match="shards_per_collector"):
+        MultiProcessStepCollector(functools.partial(numberline_env, str(tiny_path)), engine_kwargs(tiny_path),
+                                  num_groups=2, shards_per_collector=0)

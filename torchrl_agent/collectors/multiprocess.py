@@ -6,11 +6,12 @@ Processes (all started with ``spawn``; the collector starts and stops them):
   in that process). Requests of every collector process are added to the engine as they arrive and
   the engine steps the running batch (continuous batching): a request joins the batch at the next
   engine step, whoever sent it, and leaves it as soon as it finishes.
-- **``num_collectors`` collector processes**: each owns a shard of the groups (a
-  :class:`~torchrl_agent.collectors.StepCollector` over ``env_factory(shard_groups)``), steps its
-  environments, builds and tokenizes prompts, sends the prompts of its running environments to the
-  engine server and decodes the answers. While one shard steps its games, the engine serves the
-  others.
+- **``num_collectors`` collector processes**: each owns ``shards_per_collector`` shards of the
+  groups (a :class:`~torchrl_agent.collectors.StepCollector` over ``env_factory(shard_groups)``
+  each, stepped by a thread of its own). A shard steps its environments, builds and tokenizes
+  prompts, sends the prompts of its running environments to the engine server and decodes the
+  answers. While one shard steps its games, the engine serves the others; two shards per process
+  keep the process busy while one of them waits for its answers (the engine's latency, every step).
 - **this process**: hands out batches, gathers the shards' rows, applies ``postproc`` / fills the
   replay buffer, and sends new weights to the engine server.
 
@@ -36,6 +37,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -43,7 +45,7 @@ from collections.abc import Callable
 import torch
 from torchrl.envs import EnvBase
 
-from torchrl_agent.collectors.shards import CollectorShard, ShardedCollector, TextEnvFactory
+from torchrl_agent.collectors.shards import CollectorShard, ShardedCollector, TextEnvFactory, split_groups
 from torchrl_agent.collectors.weight_sync import EngineReloadScheme, as_state_dict, register_policy_scheme
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
@@ -179,25 +181,63 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
         policy.close()
 
 
-def _collector_main(rank: int, env_factory, shard_groups: int, group_offset: int, groups_total: int, seed: int,
-                    client_kwargs: dict, requests, responses, commands, data) -> None:
-    """A collector process: a :class:`CollectorShard` over its groups, driven by the main process's commands."""
-    shard, parent = None, os.getppid()
+def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], groups_total: int, seed: int,
+                    client_kwargs: dict, requests, responses: list, commands, data) -> None:
+    """A collector process: one :class:`CollectorShard` per ``(shard, groups, first group)`` of ``shards``,
+    each stepped by a thread of its own, all driven by the main process's commands.
+
+    The threads share the process's one core's worth of Python (the GIL). A shard waiting for the
+    engine server's answer releases it, so another shard of the process steps its games meanwhile:
+    the generation of one shard overlaps the game stepping of the other (with one shard per
+    process, a process would sit idle for the whole generation of every step)."""
+    parent, built = os.getppid(), []
     try:
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(client_kwargs.pop("model_path"))
-        env = env_factory(shard_groups)
-        try:
-            shard = CollectorShard(env, EngineClient(tokenizer, requests, responses, rank, **client_kwargs),
-                                   groups_total=groups_total, group_offset=group_offset, seed=seed)
-        except BaseException:
-            env.close()
-            raise
-        data.put(("ready", rank, None, None))
+        model_path = client_kwargs.pop("model_path")
+        for shard, groups, offset in shards:
+            env = env_factory(groups)
+            try:  # a tokenizer per shard: a fast tokenizer is not meant to be shared between threads
+                client = EngineClient(AutoTokenizer.from_pretrained(model_path), requests, responses[shard], shard,
+                                      **client_kwargs)
+                built.append((shard, CollectorShard(env, client, groups_total=groups_total, group_offset=offset,
+                                                    seed=seed)))
+            except BaseException:
+                env.close()
+                raise
+    except BaseException:
+        data.put(("error", rank, None, traceback.format_exc()))
+        for _, shard in built:
+            shard.close()
+        return
+    inboxes = [queue.SimpleQueue() for _ in built]
+    threads = [threading.Thread(target=_shard_loop, args=(shard_id, shard, inbox, data), daemon=True,
+                                name=f"torchrl_agent-shard-{shard_id}")
+               for (shard_id, shard), inbox in zip(built, inboxes)]
+    for thread in threads:
+        thread.start()
+    data.put(("ready", rank, None, None))
+    try:
         while True:
             command = _get_while_parent_lives(commands, parent)
+            for inbox in inboxes:  # every shard runs the commands in order
+                inbox.put(command)
+            if command[0] == "stop":
+                break
+        for thread in threads:
+            thread.join()
+    finally:
+        for _, shard in built:
+            shard.close()
+
+
+def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, data) -> None:
+    """A shard's thread in a collector process: run the commands of ``inbox`` until ``("stop",)``;
+    answer ``("rows", shard_id, (epoch, batch), pickled (rows, figures))`` to each ``collect``."""
+    try:
+        while True:
+            command = inbox.get()
             if command[0] == "stop":
                 return
             if command[0] == "seed":
@@ -207,12 +247,9 @@ def _collector_main(rank: int, env_factory, shard_groups: int, group_offset: int
             elif command[0] == "collect":
                 epoch, batch = command[1], command[2]
                 # plain pickle: tensors travel by value (one message), not as thousands of shared-memory handles
-                data.put(("rows", rank, (epoch, batch), pickle.dumps(shard.collect(batch))))
+                data.put(("rows", shard_id, (epoch, batch), pickle.dumps(shard.collect(batch))))
     except BaseException:
-        data.put(("error", rank, None, traceback.format_exc()))
-    finally:
-        if shard is not None:
-            shard.close()
+        data.put(("error", shard_id, None, traceback.format_exc()))
 
 
 class _ServerTransport:
@@ -252,8 +289,14 @@ class MultiProcessStepCollector(ShardedCollector):
         engine: keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` (``model_path``
             required; ``max_new_tokens``, ``temperature``, ``max_model_len``, ...), built in the
             engine server.
-        num_groups: groups per batch, split as evenly as possible over the collector processes.
+        num_groups: groups per batch, split as evenly as possible over the shards (in order: the
+            shards of process 0 first).
         num_collectors: collector processes (at most ``num_groups``).
+        shards_per_collector: shards of the groups each collector process steps, one thread each
+            (default 2; at most ``num_groups`` shards in all): while one shard waits for the engine
+            server, another steps its games (see :func:`_collector_main`). The environments of a
+            process's shards are stepped from different threads: ``env_factory``'s environments must
+            not share unguarded process-wide state (``1``: one shard, one thread per process).
         seed, total_frames, total_batches, replay_buffer, postproc: as for :class:`StepCollector`.
         max_batches_ahead: batches a shard may collect beyond the one being consumed (0: on-policy).
         start_timeout: seconds to wait for the processes to start.
@@ -274,15 +317,18 @@ class MultiProcessStepCollector(ShardedCollector):
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
                  replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0,
-                 engine_threads: int = 1):
+                 engine_threads: int = 1, shards_per_collector: int = 2):
         if engine_threads < 1:
             raise ValueError(f"engine_threads must be >= 1, got {engine_threads}")
+        if shards_per_collector < 1:
+            raise ValueError(f"shards_per_collector must be >= 1, got {shards_per_collector}")
         self.engine_threads = engine_threads
         if "model_path" not in engine:
             raise ValueError("engine: 'model_path' is required (the VLLMPolicy keyword arguments)")
         super().__init__(num_groups=num_groups, num_collectors=num_collectors, seed=seed, total_frames=total_frames,
                          total_batches=total_batches, replay_buffer=replay_buffer, postproc=postproc,
-                         max_batches_ahead=max_batches_ahead)
+                         max_batches_ahead=max_batches_ahead,
+                         num_shards=min(num_groups, num_collectors * shards_per_collector))
         self._arrived: dict = {}
         self._start(env_factory, dict(engine), start_timeout)
         register_policy_scheme(self, EngineReloadScheme(_ServerTransport(self)))
@@ -292,17 +338,19 @@ class MultiProcessStepCollector(ShardedCollector):
         ctx = mp.get_context("spawn")
         k = self.num_collectors
         self._requests, self._acks, self._data = ctx.Queue(), ctx.Queue(), ctx.Queue()
-        self._responses = [ctx.Queue() for _ in range(k)]
+        self._responses = [ctx.Queue() for _ in self.shards]  # one per shard (its engine client)
         self._commands = [ctx.Queue() for _ in range(k)]
         self._engine = ctx.Process(target=_engine_main, name="torchrl_agent-engine", daemon=True,
                                    args=(engine, self._requests, self._responses, self._acks, self.engine_threads))
         self._engine.start()
         client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
                   "temperature": engine.get("temperature", 1.0)}
+        # process r steps shards first .. first + count - 1: (shard, groups, first group) each
+        owned = [[(i, *self.shards[i]) for i in range(first, first + count)]
+                 for count, first in split_groups(len(self.shards), k)]
         self._workers = [ctx.Process(target=_collector_main, name=f"torchrl_agent-collector-{r}", daemon=True,
-                                     args=(r, env_factory, *self.shards[r], self.num_groups, self.seed,
-                                           dict(client), self._requests, self._responses[r], self._commands[r],
-                                           self._data))
+                                     args=(r, env_factory, owned[r], self.num_groups, self.seed, dict(client),
+                                           self._requests, self._responses, self._commands[r], self._data))
                          for r in range(k)]
         for w in self._workers:
             w.start()
@@ -338,14 +386,14 @@ class MultiProcessStepCollector(ShardedCollector):
 
     def _gather(self, batch: int) -> list:
         key = (self._epoch, batch)
-        while len(self._arrived.get(key, {})) < self.num_collectors:
-            kind, rank, tag, payload = self._wait(self._data, f"batch {batch}")
+        while len(self._arrived.get(key, {})) < len(self.shards):
+            kind, shard, tag, payload = self._wait(self._data, f"batch {batch}")
             if kind == "error":
-                raise RuntimeError(f"collector process {rank} failed:\n{payload}")
+                raise RuntimeError(f"collector shard {shard} failed:\n{payload}")
             if tag[0] == self._epoch:  # batches of an earlier seed are dropped
-                self._arrived.setdefault(tag, {})[rank] = payload
+                self._arrived.setdefault(tag, {})[shard] = payload
         shards = self._arrived.pop(key)
-        return [pickle.loads(shards[r]) for r in range(self.num_collectors)]
+        return [pickle.loads(shards[i]) for i in range(len(self.shards))]
 
     def _drop_in_flight(self) -> None:
         self._arrived.clear()

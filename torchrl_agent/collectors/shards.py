@@ -92,23 +92,29 @@ class ShardedCollector(BaseCollector):
     """The coordinator of ``num_collectors`` :class:`CollectorShard` workers (see the module notes).
 
     Subclasses start the workers and implement :meth:`_send` (one command to every worker, in
-    order) and :meth:`_gather` (every worker's answer to ``("collect", epoch, batch)``, in shard
+    order) and :meth:`_gather` (every shard's answer to ``("collect", epoch, batch)``, in shard
     order). Commands: ``("collect", epoch, batch)``, ``("seed", seed)``, ``("load", state)``.
+    ``num_shards`` (default ``num_collectors``): the shards the groups are split into
+    (:attr:`shards`: ``(groups, first group)`` each); a worker may hold several.
     """
 
     init_random_frames = 0  # read by TorchRL's Trainer
 
     def __init__(self, *, num_groups: int, num_collectors: int, seed: int, total_frames: int,
-                 total_batches: int | None, replay_buffer, postproc, max_batches_ahead: int):
+                 total_batches: int | None, replay_buffer, postproc, max_batches_ahead: int,
+                 num_shards: int | None = None):
         super().__init__()
         if not 1 <= num_collectors <= num_groups:
             raise ValueError(f"num_collectors must be in 1..num_groups={num_groups}, got {num_collectors}")
+        num_shards = num_collectors if num_shards is None else num_shards
+        if not num_collectors <= num_shards <= num_groups:
+            raise ValueError(f"num_shards must be in num_collectors..num_groups={num_groups}, got {num_shards}")
         if max_batches_ahead < 0:
             raise ValueError(f"max_batches_ahead must be >= 0, got {max_batches_ahead}")
         if total_batches is not None and total_batches < 1:
             raise ValueError(f"total_batches must be >= 1 or None, got {total_batches}")
         self.num_groups, self.num_collectors, self.seed = num_groups, num_collectors, seed
-        self.shards = split_groups(num_groups, num_collectors)  # (groups, first group) per worker
+        self.shards = split_groups(num_groups, num_shards)  # (groups, first group) per shard
         self.total_frames, self.total_batches = total_frames, total_batches
         self.requested_frames_per_batch = self.frames_per_batch = None  # a batch is one episode per env
         self.replay_buffer, self.postproc, self.max_batches_ahead = replay_buffer, postproc, max_batches_ahead
@@ -122,7 +128,7 @@ class ShardedCollector(BaseCollector):
         raise NotImplementedError
 
     def _gather(self, batch: int) -> list[tuple[TensorDictBase, dict]]:
-        """Every worker's ``(rows, figures)`` of ``(self._epoch, batch)``, in shard order; answers of an
+        """Every shard's ``(rows, figures)`` of ``(self._epoch, batch)``, in shard order; answers of an
         earlier epoch are dropped."""
         raise NotImplementedError
 

@@ -49,6 +49,7 @@ import os
 import random
 import re
 import sys
+import threading
 from collections.abc import Sequence
 
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame
@@ -143,6 +144,12 @@ def _check_task_types(task_types: Sequence[str] | None) -> tuple[str, ...]:
 
 
 # ------------------------------------------------------------------------------------- engine helpers
+#: Held while a game engine runs: it changes process-wide state (``sys.argv``, the ``random``
+#: stream: see :func:`_engine_guard`, :func:`_seeded_global_random`), so games stepped from several
+#: threads of one process (the shards of a collector process) take turns.
+_ENGINE_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _engine_guard():
     """Undo the engine's process-wide side effects: fast-downward's translator rewrites ``sys.argv``."""
@@ -310,7 +317,7 @@ class ALFWorldGame(TextGame):
         if self._env is None:
             self._env = self._make_engine()
         self._expert_rng = random.Random(seed)
-        with _engine_guard(), _seeded_global_random(self._expert_rng):
+        with _ENGINE_LOCK, _engine_guard(), _seeded_global_random(self._expert_rng):
             if self._loaded != game_file:
                 self._loaded = None
                 try:
@@ -329,7 +336,7 @@ class ALFWorldGame(TextGame):
             raise RuntimeError("step() called before reset()")
         if not isinstance(action, str):
             action = ""
-        with _engine_guard(), _seeded_global_random(self._expert_rng):
+        with _ENGINE_LOCK, _engine_guard(), _seeded_global_random(self._expert_rng):
             state, _score, _done = self._env.step(action)
         won = bool(state["won"])
         return self._state(state, state.feedback), (WIN_REWARD if won else 0.0), won, won
