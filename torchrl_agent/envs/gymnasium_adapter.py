@@ -151,6 +151,17 @@ def check_babyai_actions(actions: Sequence[str]) -> tuple[str, ...]:
     return tuple(actions)
 
 
+#: BabyAI reward shapings: none, or the BFS distance of :func:`goto_distance` (GoTo levels)
+BABYAI_SHAPINGS = (None, "distance")
+
+
+def check_babyai_shaping(shaping: str | None) -> str | None:
+    """``shaping`` if it is one of :data:`BABYAI_SHAPINGS`; else a ValueError naming them."""
+    if shaping not in BABYAI_SHAPINGS:
+        raise ValueError(f"BabyAI: shaping must be one of {BABYAI_SHAPINGS}, got {shaping!r}")
+    return shaping
+
+
 #: MiniGrid's ``DIR_TO_VEC``: the cell in front for agent directions 0 (east) .. 3 (north)
 _FRONT = ((1, 0), (0, 1), (-1, 0), (0, -1))
 
@@ -266,13 +277,9 @@ class BabyAIGame(GymnasiumTextGame):
         invalid_reward: the reward of an answer that is not an admissible move (no env step).
     """
 
-    SHAPINGS = (None, "distance")
-
     def __init__(self, level: str = "BabyAI-GoToLocal-v0", gym_max_steps: int = 10_000, expert: bool = True,
                  actions: Sequence[str] | None = None, shaping: str | None = None, invalid_reward: float = 0.0):
-        if shaping not in self.SHAPINGS:
-            raise ValueError(f"BabyAI: shaping must be one of {self.SHAPINGS}, got {shaping!r}")
-        self.shaping, self._distance = shaping, None
+        self.shaping, self._distance = check_babyai_shaping(shaping), None
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI levels)
 
@@ -304,7 +311,7 @@ class BabyAIGame(GymnasiumTextGame):
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         state, reward, done, success = super().step(action)
-        if self.shaping and state.observation is not None:
+        if self.shaping:
             before, self._distance = self._distance, goto_distance(self.env)
             if before is not None and self._distance is not None:
                 reward += before - self._distance
@@ -357,7 +364,6 @@ class BabyAIEnv(TextEnv):
         if level not in gymnasium.registry:
             raise ValueError(f"unknown BabyAI level {level!r}; e.g. 'BabyAI-GoToLocal-v0'")
         actions = None if actions is None else check_babyai_actions(list(actions))
-        if shaping not in BabyAIGame.SHAPINGS:
-            raise ValueError(f"BabyAI: shaping must be one of {BabyAIGame.SHAPINGS}, got {shaping!r}")
+        check_babyai_shaping(shaping)
         super().__init__(lambda: BabyAIGame(level, max(10 * max_steps, 1000), expert, actions, shaping, invalid_reward),
                          max_steps=max_steps, **kwargs)
