@@ -129,3 +129,36 @@ def test_collector_over_worker_processes_matches_in_process(tokenizer):
     assert list(local["text", "prompt"]) == list(remote["text", "prompt"])
     assert torch.equal(local["reward"], remote["reward"]) and torch.equal(local["group_id"], remote["group_id"])
     assert not remote["worker_fault"].any()
+
+
+def test_packed_rows_round_trip_through_pickle(tiny_model, tokenizer):
+    """What a collector process sends (``pack_rows``) comes back as the same rows: every key, dtype,
+    shape and value, ragged token ids and non-tensor data (a list-valued one too) included; rows
+    whose keys differ travel as they are."""
+    import pickle
+
+    from tensordict import is_leaf_nontensor
+
+    from torchrl_agent.collectors.shards import pack_rows, unpack_rows
+
+    rows = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=8,
+                                                             temperature=1.0), seed=1).collect()
+    for row, k in zip(rows.tensordicts, range(rows.batch_size[0])):
+        row.set_non_tensor("tags", ["step", str(k)] if k % 2 else ["only"])
+    packed = pickle.loads(pickle.dumps(pack_rows(rows)))
+    assert "rows" not in packed and packed["ragged"]  # the fast path, with ragged prompt ids
+    back = unpack_rows(packed)
+    assert len(back) == rows.batch_size[0]
+    keys = list(rows.tensordicts[0].keys(True, True, is_leaf=is_leaf_nontensor))
+    assert ("text", "prompt") in keys and ("tokens", "prompt") in keys and "tags" in keys
+    for original, copy in zip(rows.tensordicts, back):
+        assert sorted(copy.keys(True, True, is_leaf=is_leaf_nontensor), key=str) == sorted(keys, key=str)
+        for key in keys:
+            a, b = original[key], copy[key]
+            if isinstance(a, torch.Tensor):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), key
+            else:
+                assert type(a) is type(b) and a == b, key
+    rows.tensordicts[0].set("extra", torch.ones(1))  # keys differ from row to row: sent as they are
+    odd = pack_rows(rows)
+    assert "rows" in odd and "extra" in unpack_rows(pickle.loads(pickle.dumps(odd)))[0].keys()

@@ -246,7 +246,7 @@ def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, 
                 shard.load_state_dict(command[1])
             elif command[0] == "collect":
                 epoch, batch = command[1], command[2]
-                # plain pickle: tensors travel by value (one message), not as thousands of shared-memory handles
+                # plain pickle of the packed rows: tensors travel by value (one message), not as shared-memory handles
                 data.put(("rows", shard_id, (epoch, batch), pickle.dumps(shard.collect(batch))))
     except BaseException:
         data.put(("error", shard_id, None, traceback.format_exc()))

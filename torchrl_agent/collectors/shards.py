@@ -21,25 +21,72 @@ its workers (:meth:`ShardedCollector._send`) and gathers their answers (:meth:`S
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tensordict import TensorDictBase, lazy_stack
+from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_leaf_nontensor, lazy_stack
 from torchrl.collectors import BaseCollector
 from torchrl.envs import EnvBase
 
 from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, _BatchStats
 from torchrl_agent.modules.policy import LLMPolicy
 
-__all__ = ["CollectorShard", "ConfigEnvFactory", "ShardedCollector", "TextEnvFactory", "split_groups"]
+__all__ = ["CollectorShard", "ConfigEnvFactory", "ShardedCollector", "TextEnvFactory", "pack_rows", "split_groups",
+           "unpack_rows"]
 
 
 def split_groups(num_groups: int, num_shards: int) -> list[tuple[int, int]]:
     """``(groups, first group)`` of each shard: ``num_groups`` split as evenly as possible, in order."""
     sizes = [num_groups // num_shards + (r < num_groups % num_shards) for r in range(num_shards)]
     return [(size, sum(sizes[:r])) for r, size in enumerate(sizes)]
+
+
+def pack_rows(rows: TensorDictBase) -> dict:
+    """Rows ``[n]`` (a lazy stack of row TensorDicts, as a collector returns them) as one plain message
+    for another process: per key one tensor (the rows' tensors stacked, or concatenated with their
+    shapes where they differ, as the token ids) or one list (text and other non-tensor data).
+
+    Pickling the rows themselves pickles every tensor of every row (about 1 ms a row each way for an
+    ALFWorld row, ``benchmarks/collector_throughput.py``); this message pickles a few objects per key.
+    Rows whose keys differ from row to row travel as they are. :func:`unpack_rows` inverts it."""
+    parts = list(rows.tensordicts) if isinstance(rows, LazyStackedTensorDict) else list(rows.unbind(0))
+    if not parts:
+        return {"rows": rows}
+    keys = sorted(parts[0].keys(True, True, is_leaf=is_leaf_nontensor), key=str)
+    if any(sorted(p.keys(True, True, is_leaf=is_leaf_nontensor), key=str) != keys for p in parts[1:]) or parts[0].batch_size:
+        return {"rows": rows}
+    dense, ragged, data = {}, {}, {}
+    for key in keys:
+        values = [p[key] for p in parts]  # a tensor, or a non-tensor's content
+        if not all(isinstance(v, torch.Tensor) for v in values):
+            data[key] = values
+        elif all(v.shape == values[0].shape for v in values):
+            dense[key] = torch.stack(values)
+        else:
+            ragged[key] = (torch.cat([v.reshape(-1) for v in values]), [tuple(v.shape) for v in values])
+    return {"n": len(parts), "dense": dense, "ragged": ragged, "data": data}
+
+
+def unpack_rows(packed: dict) -> list[TensorDictBase]:
+    """The rows of a :func:`pack_rows` message, one TensorDict each (its tensors may be views of one
+    tensor per key)."""
+    if "rows" in packed:
+        return list(packed["rows"].unbind(0))
+    n = packed["n"]
+    batch = TensorDict(batch_size=[n])
+    for key, value in packed["dense"].items():
+        batch.set(key, value)
+    for key, values in packed["data"].items():
+        # one NonTensorData per row: from_list would read a list-valued row as a stack of its items
+        batch.set(key, NonTensorStack(*(NonTensorData(v, batch_size=[]) for v in values), batch_size=[n]))
+    rows = list(batch.unbind(0))
+    for key, (flat, shapes) in packed["ragged"].items():
+        for row, piece, shape in zip(rows, flat.split([math.prod(s) for s in shapes]), shapes):
+            row.set(key, piece.view(shape))
+    return rows
 
 
 class CollectorShard:
@@ -59,12 +106,13 @@ class CollectorShard:
         g = self.collector.group_size
         self.collector.layout = ShardLayout(groups_total, groups_total * g, group_offset, group_offset * g)
 
-    def collect(self, batch: int) -> tuple[TensorDictBase, dict]:
-        """Batch ``batch``'s rows ``[n]`` of this shard and its figures (``env_steps``, ...)."""
+    def collect(self, batch: int) -> tuple[dict, dict]:
+        """Batch ``batch``'s rows ``[n]`` of this shard (packed for the coordinator: :func:`pack_rows`)
+        and its figures (``env_steps``, ...)."""
         if self.collector.batches != batch:
             raise RuntimeError(f"the shard is at batch {self.collector.batches}, asked for batch {batch}")
         rows = self.collector.collect()
-        return rows, dict(self.collector.stats)
+        return pack_rows(rows), dict(self.collector.stats)
 
     def set_seed(self, seed: int) -> None:
         self.collector.set_seed(seed)
@@ -127,9 +175,9 @@ class ShardedCollector(BaseCollector):
         """Send ``command`` to every worker (workers run their commands in order)."""
         raise NotImplementedError
 
-    def _gather(self, batch: int) -> list[tuple[TensorDictBase, dict]]:
-        """Every shard's ``(rows, figures)`` of ``(self._epoch, batch)``, in shard order; answers of an
-        earlier epoch are dropped."""
+    def _gather(self, batch: int) -> list[tuple[dict, dict]]:
+        """Every shard's ``(packed rows, figures)`` (:meth:`CollectorShard.collect`) of ``(self._epoch,
+        batch)``, in shard order; answers of an earlier epoch are dropped."""
         raise NotImplementedError
 
     def _drop_in_flight(self) -> None:
@@ -155,7 +203,7 @@ class ShardedCollector(BaseCollector):
         batch = self.batches
         self._grant(batch)
         shards = self._gather(batch)
-        rows = [row for shard_rows, _ in shards for row in shard_rows.unbind(0)]
+        rows = [row for packed, _ in shards for row in unpack_rows(packed)]
         rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
         self.batches += 1
         self._frames += len(rows)
