@@ -27,7 +27,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tensordict import LazyStackedTensorDict, NonTensorData, NonTensorStack, TensorDict, TensorDictBase, is_leaf_nontensor, lazy_stack
+from tensordict import (
+    LazyStackedTensorDict,
+    NonTensorData,
+    NonTensorStack,
+    TensorDict,
+    TensorDictBase,
+    is_leaf_nontensor,
+    lazy_stack,
+)
 from torchrl.collectors import BaseCollector
 from torchrl.envs import EnvBase
 
