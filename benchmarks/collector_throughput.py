@@ -44,7 +44,13 @@ rarely solves a game, so each game gets a step budget of ``1 + h % max_steps`` s
 of its group seed and its place in the group), after which it is truncated; the budgets are the
 same in every configuration. Every configuration collects the same rows (checked:
 ``same_rows``). Start-up (engine, processes) is timed apart (``startup_s``) and not counted in
-``env_steps_per_s``. ``speedup_multiprocess_vs_single`` is the best ``mpK`` over ``single``.
+``env_steps_per_s``. The configurations run ``--repeats`` times, interleaved (the order reversed
+every other repeat), so that each ratio compares runs made side by side: ``env_steps_per_s`` is
+the median over repeats (all in ``env_steps_per_s_all``), ``speedup_multiprocess_vs_single`` the
+median of the per-repeat ratios of the best ``mpK`` (highest median) over ``single`` (all in
+``speedup_multiprocess_vs_single_all``), and ``runs`` details each configuration's median run.
+Every run is a fresh Python process (this script, one configuration): a run does not inherit what
+an earlier one left in the process (see ``_run_in_fresh_process``).
 Where the time goes: ``generation_s`` / ``other_s`` for the single-process runs, and for the
 multi-process runs ``engine_busy_s`` (time the engine server spent in ``engine.step``) and the
 shards' own collection times. ``cpu_s`` is the CPU time (user + sys) of each process over the
@@ -57,7 +63,7 @@ Prints one JSON object as the LAST line::
 
     python benchmarks/collector_throughput.py [--num-groups 8] [--group-size 4] [--repeats 3]
                                               [--warm-steps 60] [--temperature 0] [--workers 2 --worker-repeats 2]
-    python benchmarks/collector_throughput.py --workload alfworld [--num-groups 8] [--group-size 2]
+    python benchmarks/collector_throughput.py --workload alfworld [--repeats 3] [--num-groups 8] [--group-size 2]
                                               [--max-steps 12] [--max-new-tokens 48] [--batches 2] [--ahead 1]
 """
 
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=40)
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (identical rows in both modes)")
     parser.add_argument("--warm-steps", type=int, default=60)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repeats of every configuration")
     parser.add_argument("--workers", type=int, default=0, help="also compare with N env worker processes (0: skip)")
     parser.add_argument("--worker-repeats", type=int, default=2, help="repeats of the worker-process comparison")
     parser.add_argument("--seed", type=int, default=0)
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--batches", type=int, default=2, help="alfworld: batches per configuration")
     parser.add_argument("--ahead", type=int, default=1, help="alfworld: max_batches_ahead of the multi-process runs")
     parser.add_argument("--processes", default="1,2,4", help="alfworld: collector process counts")
+    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)  # internal: one configuration
     args = parser.parse_args(argv)
     if args.workload == "alfworld":
         return alfworld_main(args)
@@ -366,6 +373,33 @@ def _rounded(value):
     return {k: _rounded(v) for k, v in value.items()} if isinstance(value, dict) else value
 
 
+def _run_config(args, engine: dict, name: str) -> dict:
+    if name in ("lockstep", "single"):
+        return _run_single(args, engine, lockstep=name == "lockstep")
+    return _run_multi(args, engine, int(name[2:]))
+
+
+def _run_in_fresh_process(args, name: str) -> dict:
+    """Configuration ``name`` run by this script in a new Python process: no run inherits what an
+    earlier one left in the process (an in-process vLLM engine, built and closed, leaves environment
+    variables, OpenMP threads, memory; after two of them, the engine server of a later multi-process
+    run measured 4.5 instead of 3.4 ms a step here)."""
+    import subprocess
+
+    flags = ["--workload", "alfworld", "--run-one", name]
+    for flag in ("num_groups", "group_size", "max_steps", "max_new_tokens", "batches", "ahead", "seed", "threads",
+                 "processes"):
+        if getattr(args, flag) is not None:
+            flags += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    done = subprocess.run([sys.executable, os.path.abspath(__file__), *flags], stdout=subprocess.PIPE, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        raise SystemExit(f"the {name} run failed (exit code {done.returncode})")
+    run = json.loads(lines[-1])
+    run["row_keys"] = [tuple(k) for k in run["row_keys"]]
+    return run
+
+
 def alfworld_main(args) -> dict:
     from torchrl_agent.models import build_tiny_model
 
@@ -375,31 +409,51 @@ def alfworld_main(args) -> dict:
     processes = [int(p) for p in args.processes.split(",")]
     if any(p < 1 or p > args.num_groups for p in processes):
         raise SystemExit(f"--processes must be in 1..--num-groups ({args.num_groups}), got {args.processes}")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats must be >= 1, got {args.repeats}")
     engine = {"model_path": str(build_tiny_model()), "max_new_tokens": args.max_new_tokens, "temperature": 1.0,
               "max_model_len": 4096, "max_num_seqs": 64, "seed": args.seed}
-    runs = {"lockstep": _run_single(args, engine, lockstep=True), "single": _run_single(args, engine, lockstep=False)}
-    for p in processes:
-        runs[f"mp{p}"] = _run_multi(args, engine, p)
-    reference = sorted(runs["single"]["row_keys"])
-    same_rows = all(sorted(r.pop("row_keys")) == reference for r in runs.values())
-    steps = {name: round(r["env_steps_per_s"], 3) for name, r in runs.items()}
+    if args.run_one:  # one configuration, in this fresh process (see _run_in_fresh_process)
+        print(json.dumps(_run_config(args, engine, args.run_one)), flush=True)
+        return {}
+    names = ["lockstep", "single", *(f"mp{p}" for p in processes)]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for repeat in range(args.repeats):  # interleaved, the order reversed every other repeat
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            run = _run_in_fresh_process(args, name)
+            runs[name].append(run)
+            print(f"repeat {repeat} {name}: {run['env_steps_per_s']:.1f} env steps/s", file=sys.stderr, flush=True)
+    reference = sorted(runs["single"][0]["row_keys"])
+    same_rows = all(sorted(r.pop("row_keys")) == reference for rs in runs.values() for r in rs)
+    steps = {name: round(statistics.median(r["env_steps_per_s"] for r in rs), 3) for name, rs in runs.items()}
     best = max((f"mp{p}" for p in processes), key=lambda name: steps[name])
+
+    def ratios(over: str, under: str) -> list[float]:  # per repeat: the two ran side by side
+        return [a["env_steps_per_s"] / b["env_steps_per_s"] for a, b in zip(runs[over], runs[under])]
+
+    def median_run(rs: list[dict]) -> dict:
+        return sorted(rs, key=lambda r: r["env_steps_per_s"])[(len(rs) - 1) // 2]
+
     lengths = collections.Counter()
     for traj in {k[0] for k in reference}:
         lengths[sum(1 for k in reference if k[0] == traj)] += 1
+    vs_single = ratios(best, "single")
     out = {
         "benchmark": "collector_throughput", "workload": "alfworld", "engine": "vllm-cpu", "model": "tiny",
         "config": {"num_envs": args.num_groups * args.group_size, "num_groups": args.num_groups,
                    "group_size": args.group_size, "max_steps": args.max_steps, "max_new_tokens": args.max_new_tokens,
                    "batches": args.batches, "max_batches_ahead": args.ahead, "seed": args.seed,
-                   "cpu_count": os.cpu_count(), "loadavg_at_end": None},
+                   "repeats": args.repeats, "cpu_count": os.cpu_count(), "loadavg_at_end": None},
+        "statistic": "median over interleaved repeats; speedups: median of the per-repeat ratios",
         "env_steps_per_s": steps,
-        "speedup_vs_lockstep": runs["single"]["env_steps_per_s"] / runs["lockstep"]["env_steps_per_s"],
-        "speedup_multiprocess_vs_single": runs[best]["env_steps_per_s"] / runs["single"]["env_steps_per_s"],
+        "env_steps_per_s_all": {name: [round(r["env_steps_per_s"], 3) for r in rs] for name, rs in runs.items()},
+        "speedup_vs_lockstep": statistics.median(ratios("single", "lockstep")),
+        "speedup_multiprocess_vs_single": statistics.median(vs_single),
+        "speedup_multiprocess_vs_single_all": [round(x, 3) for x in vs_single],
         "best_multiprocess": best,
         "same_rows": same_rows,
         "episode_length": {str(k): lengths[k] for k in sorted(lengths)},
-        "runs": {name: {k: _rounded(v) for k, v in r.items()} for name, r in runs.items()},
+        "runs": {name: {k: _rounded(v) for k, v in median_run(rs).items()} for name, rs in runs.items()},
     }
     out["config"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     out["wall_s"] = round(time.perf_counter() - t_all, 1)
