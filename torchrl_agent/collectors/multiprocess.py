@@ -296,8 +296,8 @@ class MultiProcessStepCollector(ShardedCollector):
             (default 1; at most ``num_groups`` shards in all): with 2, while one shard waits for the
             engine server, another steps its games (see :func:`_collector_main`), at the price of
             smaller engine batches (on 2 CPU cores with ALFWorld it measured slower: 1.04x the
-            single process against 1.27x with 1, README "Collection at scale"). The environments of
-            a process's shards are then stepped from different threads: ``env_factory``'s
+            single process against 1.27x with 1, in an earlier run of the benchmark). The
+            environments of a process's shards are then stepped from different threads: ``env_factory``'s
             environments must not share unguarded process-wide state.
         seed, total_frames, total_batches, replay_buffer, postproc: as for :class:`StepCollector`.
         max_batches_ahead: batches a shard may collect beyond the one being consumed (0: on-policy).

@@ -185,7 +185,7 @@ class VLLMPolicy(LLMPolicy):
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
-            # the CPU worker disables torch.set_num_threads for the whole process  # the CPU worker disables torch.set_num_threads for the whole process
+            # the CPU worker disables torch.set_num_threads for the whole process
             torch.set_num_threads = set_num_threads
             if self.in_process:
                 torch.set_num_threads(num_threads)
