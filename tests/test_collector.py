@@ -162,3 +162,28 @@ def test_packed_rows_round_trip_through_pickle(tiny_model, tokenizer):
     rows.tensordicts[0].set("extra", torch.ones(1))  # keys differ from row to row: sent as they are
     odd = pack_rows(rows)
     assert "rows" in odd and "extra" in unpack_rows(pickle.loads(pickle.dumps(odd)))[0].keys()
+
+
+def test_prepared_batch_gives_the_rows_of_a_plain_collect(tiny_model, tokenizer):
+    """``prepare_next_batch`` (the reset done ahead, as a shard does between batches) changes no row,
+    with sampling from the torch RNG; a reseed discards the prepared batch."""
+
+    def run(prepare: bool):
+        policy = TransformersPolicy(tiny_model, tokenizer, max_new_tokens=6, temperature=1.0)
+        collector = StepCollector(make(tokenizer), policy, seed=5)
+        out = []
+        for batch in range(2):
+            if prepare:
+                collector.prepare_next_batch()
+                torch.rand(3)  # the RNG moves meanwhile (another shard's work): collect restores it
+            out.append(collector.collect())
+        if prepare:
+            collector.prepare_next_batch()
+        collector.set_seed(5)  # discards the prepared third batch: batch 0 again
+        out.append(collector.collect())
+        return [[(int(r["traj_id"]), r["text", "prompt"], r["text", "response"]) for r in rows.unbind(0)]
+                for rows in out]
+
+    plain, prepared = run(False), run(True)
+    assert plain == prepared
+    assert plain[2] == plain[0] and plain[0] != plain[1]

@@ -182,7 +182,8 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
 
 
 def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], groups_total: int, seed: int,
-                    client_kwargs: dict, requests, responses: list, commands, data) -> None:
+                    client_kwargs: dict, requests, responses: list, commands, data,
+                    total_batches: int | None = None) -> None:
     """A collector process: one :class:`CollectorShard` per ``(shard, groups, first group)`` of ``shards``,
     each stepped by a thread of its own, all driven by the main process's commands.
 
@@ -212,7 +213,7 @@ def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], 
             shard.close()
         return
     inboxes = [queue.SimpleQueue() for _ in built]
-    threads = [threading.Thread(target=_shard_loop, args=(shard_id, shard, inbox, data), daemon=True,
+    threads = [threading.Thread(target=_shard_loop, args=(shard_id, shard, inbox, data, total_batches), daemon=True,
                                 name=f"torchrl_agent-shard-{shard_id}")
                for (shard_id, shard), inbox in zip(built, inboxes)]
     for thread in threads:
@@ -232,9 +233,14 @@ def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], 
             shard.close()
 
 
-def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, data) -> None:
+def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, data,
+                total_batches: int | None = None) -> None:
     """A shard's thread in a collector process: run the commands of ``inbox`` until ``("stop",)``;
-    answer ``("rows", shard_id, (epoch, batch), pickled (rows, figures))`` to each ``collect``."""
+    answer ``("rows", shard_id, (epoch, batch), pickled (rows, figures))`` to each ``collect``.
+
+    After answering, a shard with no command waiting resets its games for the next batch
+    (:meth:`StepCollector.prepare_next_batch`): with ``max_batches_ahead=0`` it would otherwise
+    sit idle until the slowest shard is done and the consumer asks for the next batch."""
     try:
         while True:
             command = inbox.get()
@@ -248,6 +254,8 @@ def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, 
                 epoch, batch = command[1], command[2]
                 # plain pickle of the packed rows: tensors travel by value (one message), not as shared-memory handles
                 data.put(("rows", shard_id, (epoch, batch), pickle.dumps(shard.collect(batch))))
+                if (total_batches is None or batch + 1 < total_batches) and inbox.empty():
+                    shard.collector.prepare_next_batch()
     except BaseException:
         data.put(("error", shard_id, None, traceback.format_exc()))
 
@@ -352,7 +360,8 @@ class MultiProcessStepCollector(ShardedCollector):
                  for count, first in split_groups(len(self.shards), k)]
         self._workers = [ctx.Process(target=_collector_main, name=f"torchrl_agent-collector-{r}", daemon=True,
                                      args=(r, env_factory, owned[r], self.num_groups, self.seed, dict(client),
-                                           self._requests, self._responses, self._commands[r], self._data))
+                                           self._requests, self._responses, self._commands[r], self._data,
+                                           self.total_batches))
                          for r in range(k)]
         for w in self._workers:
             w.start()

@@ -110,6 +110,7 @@ class StepCollector(BaseCollector):
         self.requested_frames_per_batch = self.frames_per_batch = None  # a batch is one episode per env
         self.replay_buffer, self.postproc = replay_buffer, postproc
         self._frames = 0
+        self._prepared: tuple[TensorDictBase, torch.Tensor] | None = None  # see prepare_next_batch
         env.set_seed(seed)
         self.stats: _BatchStats = _BatchStats(self)
         register_policy_scheme(self, weight_sync_scheme or default_scheme(policy))
@@ -144,6 +145,7 @@ class StepCollector(BaseCollector):
     def set_seed(self, seed: int, static_seed: bool = False) -> int:
         """Restart collection from ``seed`` (environment seeds, sampling seeds, ids)."""
         self.seed, self.batches, self._frames = seed, 0, 0
+        self._prepared = None
         self.env.set_seed(seed)
         if hasattr(self.policy, "set_seed"):
             self.policy.set_seed(seed)
@@ -170,6 +172,7 @@ class StepCollector(BaseCollector):
     def load_state_dict(self, state: dict) -> None:
         """Resume: re-seed and skip the environment seeds of the batches already collected."""
         self.seed = state["seed"]
+        self._prepared = None
         self.env.set_seed(self.seed)
         base = getattr(self.env, "base_env", self.env)
         for _ in range(state["batches"] * self.layout.groups_total):
@@ -178,12 +181,31 @@ class StepCollector(BaseCollector):
         self._frames = state.get("frames", 0)
 
     @torch.no_grad()
+    def prepare_next_batch(self) -> None:
+        """Reset the environments for the next batch now; the next :meth:`collect` starts from them.
+
+        A reset does not involve the policy, so the next batch is still collected with the weights
+        current when :meth:`collect` is called: a shard of a sharded collector prepares while it
+        waits for its next command (an ALFWorld reset loads a game). The rows are those
+        :meth:`collect` alone gives (the torch RNG state after the reset is kept for it).
+        :meth:`set_seed` and :meth:`load_state_dict` discard a prepared batch."""
+        if self._prepared is None:
+            torch.manual_seed(self.seed * 1_000_003 + self.batches)
+            td = self.layout.reset(self.env)
+            self._prepared = (td, torch.get_rng_state())
+
+    @torch.no_grad()
     def collect(self) -> TensorDictBase:
         """Run one episode in every environment; return the step rows ``[N]``."""
-        torch.manual_seed(self.seed * 1_000_003 + self.batches)
+        if self._prepared is not None:
+            td, rng = self._prepared
+            self._prepared = None
+            torch.set_rng_state(rng)
+        else:
+            torch.manual_seed(self.seed * 1_000_003 + self.batches)
+            td = self.layout.reset(self.env)
         n = self.num_groups * self.group_size
         group_id, traj_id = self.layout.ids(self.batches, n, self.group_size)
-        td = self.layout.reset(self.env)
         running = torch.ones(n, dtype=torch.bool)
         rows: list[TensorDictBase] = []
         t0, generated, gen_slots = time.perf_counter(), 0, 0
