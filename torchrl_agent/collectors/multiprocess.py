@@ -24,7 +24,8 @@ within 1e-6, in batches of 1, 8 and 16). The batch is returned in the single-pro
 (``step_count``, then ``traj_id``).
 
 ``max_batches_ahead=0`` (on-policy, the default): a shard starts batch ``b + 1`` only when the
-consumer asks for it, i.e. after it used batch ``b`` (and updated the weights). With ``k > 0`` a
+consumer asks for it, i.e. after it used batch ``b`` (and updated the weights); meanwhile it resets
+its games for it (a reset does not involve the policy). With ``k > 0`` a
 shard that finished batch ``b`` goes on with up to ``k`` later batches instead of waiting for the
 slowest shard (their rows may then come from weights up to ``k`` updates old). A weight update
 waits for the engine's running requests to finish, so every response is sampled with one set of
