@@ -172,7 +172,7 @@ def test_prepared_batch_gives_the_rows_of_a_plain_collect(tiny_model, tokenizer)
         policy = TransformersPolicy(tiny_model, tokenizer, max_new_tokens=6, temperature=1.0)
         collector = StepCollector(make(tokenizer), policy, seed=5)
         out = []
-        for batch in range(2):
+        for _ in range(2):
             if prepare:
                 collector.prepare_next_batch()
                 torch.rand(3)  # the RNG moves meanwhile (another shard's work): collect restores it
