@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    for name in ("num_groups", "group_size", "max_steps", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     from collector_throughput import alfworld_env
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -256,7 +256,7 @@ def _shard_loop(shard_id: int, shard: CollectorShard, inbox: queue.SimpleQueue, 
                 # plain pickle of the packed rows: tensors travel by value (one message), not as shared-memory handles
                 data.put(("rows", shard_id, (epoch, batch), pickle.dumps(shard.collect(batch))))
                 if (total_batches is None or batch + 1 < total_batches) and inbox.empty():
-                    shard.collector.prepare_next_batch()
+                    shard.prepare_next_batch()
     except BaseException:
         data.put(("error", shard_id, None, traceback.format_exc()))
 

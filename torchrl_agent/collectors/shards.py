@@ -122,6 +122,10 @@ class CollectorShard:
         rows = self.collector.collect()
         return pack_rows(rows), dict(self.collector.stats)
 
+    def prepare_next_batch(self) -> None:
+        """Reset the shard's games for its next batch (:meth:`StepCollector.prepare_next_batch`)."""
+        self.collector.prepare_next_batch()
+
     def set_seed(self, seed: int) -> None:
         self.collector.set_seed(seed)
 

@@ -197,13 +197,9 @@ class StepCollector(BaseCollector):
     @torch.no_grad()
     def collect(self) -> TensorDictBase:
         """Run one episode in every environment; return the step rows ``[N]``."""
-        if self._prepared is not None:
-            td, rng = self._prepared
-            self._prepared = None
-            torch.set_rng_state(rng)
-        else:
-            torch.manual_seed(self.seed * 1_000_003 + self.batches)
-            td = self.layout.reset(self.env)
+        self.prepare_next_batch()  # unless already done
+        (td, rng), self._prepared = self._prepared, None
+        torch.set_rng_state(rng)
         n = self.num_groups * self.group_size
         group_id, traj_id = self.layout.ids(self.batches, n, self.group_size)
         running = torch.ones(n, dtype=torch.bool)
