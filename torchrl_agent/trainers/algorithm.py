@@ -6,8 +6,7 @@
   reference; for ReMax every collection is followed by one greedy episode per group from the
   same initial states (the baseline);
 - :meth:`AlgorithmHooks.prepare`: the KL-in-reward penalty (``algorithm.kl_in_reward``), the
-  critic's values and GAE (PPO), the advantage, then the critic update (PPO);
-- :func:`minibatch_advantage`: the advantage of a mini-batch, per row ``[n]`` or per token ``[n, T]``.
+  critic's values and GAE (PPO), the advantage, then the critic update (PPO).
 
 Every estimator, loss and option, with its reference counterpart: ``docs/algorithms.md``.
 """
@@ -21,6 +20,8 @@ import os
 import torch
 from tensordict import TensorDictBase
 
+from torchrl_agent.collectors import StepCollector
+from torchrl_agent.envs.factory import build_env
 from torchrl_agent.objectives import (
     KL_TYPES,
     AdaptiveKLController,
@@ -30,8 +31,9 @@ from torchrl_agent.objectives import (
     kl_in_reward,
     token_gae,
 )
+from torchrl_agent.trainers.batching import fit_width, pad_ragged, response_mask
 
-__all__ = ["ALGORITHMS", "ESTIMATORS", "AlgorithmHooks", "minibatch_advantage", "check_algorithm"]
+__all__ = ["ALGORITHMS", "ESTIMATORS", "AlgorithmHooks", "check_algorithm"]
 
 #: ``algorithm.name`` -> the advantage estimator it uses (DAPO and GSPO are GRPO's estimator with
 #: another sampling / loss, as in the reference's recipes).
@@ -76,31 +78,6 @@ def build_kl_controller(a) -> FixedKLController:
     if a.kl_ctrl == "adaptive":
         return AdaptiveKLController(a.kl_reward_coef, target=a.kl_target, horizon=a.kl_horizon)
     return FixedKLController(a.kl_reward_coef)
-
-
-def response_mask(rows: TensorDictBase, width: int | None = None) -> torch.Tensor:
-    """``[N, T]`` bool, True on each row's response tokens (``response_tokens`` long, left-aligned)."""
-    lengths = rows["response_tokens"].reshape(-1).long()
-    width = width or max(1, int(lengths.max()) if lengths.numel() else 1)
-    return torch.arange(width)[None, :] < lengths[:, None]
-
-
-def _pad(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(parts), width)
-    for i, p in enumerate(parts):
-        out[i, : len(p)] = p.float().cpu()
-    return out
-
-
-def minibatch_advantage(advantage: torch.Tensor, idx, width: int) -> torch.Tensor:
-    """The advantages of rows ``idx``: ``[n]`` for per-row ``[N, 1]`` advantages, ``[n, width]``
-    (cut or zero-padded) for per-token ``[N, T]`` ones."""
-    adv = advantage[idx].float()
-    if adv.ndim == 1 or adv.shape[-1] == 1:
-        return adv.reshape(-1)
-    if adv.shape[-1] >= width:
-        return adv[:, :width]
-    return torch.nn.functional.pad(adv, (0, width - adv.shape[-1]))
 
 
 class AlgorithmHooks:
@@ -178,7 +155,7 @@ class AlgorithmHooks:
         scores = episode_scores(rows["reward"].reshape(-1), rows["traj_id"].reshape(-1),
                                 rows.get("action_valid", None), invalid_penalty=a.invalid_penalty)
         if token_reward is not None:
-            token_reward = _fit(token_reward, values.shape[-1])
+            token_reward = fit_width(token_reward, values.shape[-1])
         adv, returns = token_gae(values, mask, scores.float(), gamma=a.gamma, lmbda=a.lmbda, token_rewards=token_reward)
         rows.set("advantage", adv)
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + 17 + self.trainer.iteration)
@@ -197,13 +174,7 @@ class AlgorithmHooks:
             with t.model.disable_adapter():
                 ref = t.recompute(t.model, rows)
         width = max(1, max((len(x) for x in old), default=1))
-        return _pad(old, width), _pad(ref, width)
-
-
-def _fit(x: torch.Tensor, width: int) -> torch.Tensor:
-    if x.shape[-1] >= width:
-        return x[:, :width]
-    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+        return pad_ragged(old, width, "cpu"), pad_ragged(ref, width, "cpu")
 
 
 class _ReMaxBaseline:
@@ -214,9 +185,6 @@ class _ReMaxBaseline:
     same group seeds; they are checked equal after both collections."""
 
     def __init__(self, cfg, trainer) -> None:
-        from torchrl_agent.collectors import StepCollector
-        from torchrl_agent.trainers.trainer import build_env
-
         greedy = copy.copy(trainer.policy)
         greedy.temperature = 0.0
         one = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, group_size=1))
