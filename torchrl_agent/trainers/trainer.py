@@ -1,16 +1,22 @@
 """The training loop: collect -> advantages -> old/reference log-probs -> clipped loss -> AdamW.
 
-One iteration::
+One iteration (:meth:`Trainer.train`, the same loop on every rank under torchrun)::
 
-    rows = collector.collect()                      # one row per env step, complete groups
-    rows = advantage(rows)                          # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
-    old_log_prob, ref_log_prob = recompute(rows)    # trainer-side, no grad
+    rows = collect_rows()                           # one row per env step, complete groups, with advantages:
+                                                    # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
+    old_log_prob, ref_log_prob = recompute_log_probs(rows)   # trainer-side, no grad
     for epoch, minibatch of rows:                   # one optimizer step per mini-batch
         for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
             (weight * ClipPolicyLoss(log_prob(micro), ...)).backward()  # accumulates the mini-batch's gradient
         clip -> AdamW step (skipped when the gradient norm is not finite)
     policy.update_weights(...)                      # engines with their own weights
     evaluate on the held-out panel every `eval_every` iterations
+
+Under torchrun rank 0 alone collects (and broadcasts the rows), evaluates and writes the logs;
+every rank trains its share of each mini-batch (FSDP2). The pieces live in files named for them:
+:mod:`.builders` (config -> engine, collector, advantage, loss), :mod:`.model_setup` (precision,
+LoRA, FSDP2, reference), :mod:`.batching` (micro-batches, padding), :mod:`.loggers` (metrics
+files, TensorBoard, W&B, plot), :mod:`.algorithm` (what each algorithm adds).
 
 Metrics go to ``metrics.jsonl`` and TensorBoard in the run directory, one line per iteration to
 the console; :meth:`Trainer.train` returns the run summary printed as the last line by the CLI.
@@ -167,6 +173,13 @@ class Trainer:
                 out[i] = lp[: int(n)]
         return out
 
+    def recompute_log_probs(self, rows: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The rows' old log-probs (under the policy that collected them, before any step of this
+        iteration) and their reference log-probs (``None`` without a KL term), per row, 1-D float32.
+
+        Every rank calls it with the same rows (a forward of the sharded model is collective)."""
+        return self.recompute(self.model, rows), self.reference_log_probs(rows)
+
     def reference_log_probs(self, rows: TensorDictBase) -> list[torch.Tensor] | None:
         """The KL reference's per-row log-probs (None without a KL term)."""
         if self.cfg.algorithm.kl_coef <= 0:
@@ -240,9 +253,8 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.warmup_lr()
-        old = self.recompute(self.model, rows)  # the policy that collected the rows (before any step)
+        old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
-        ref = self.reference_log_probs(rows)
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
@@ -389,61 +401,85 @@ class Trainer:
         self.last_checkpoint = Path(path)
 
     # ------------------------------------------------------------------ loop
+    def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
+        """This iteration's training rows, with their advantages, on every rank; and their metrics.
+
+        Rank 0 collects (:meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithm.AlgorithmHooks.collect>`),
+        leaves out faulted episodes, computes the advantages (and PPO's critic update) and broadcasts
+        the rows; the other ranks receive them (the metrics dict is empty there). ``None`` rows: every
+        episode of the batch faulted, no update this iteration."""
+        if not is_main_process():
+            return broadcast_object(None), {}
+        rows, sampling = self.hooks.collect(self.collector)
+        rows, faults = self._drop_faulted(rows)
+        metrics = {**faults, **sampling}
+        if rows is None:
+            broadcast_object(None)
+            return None, metrics
+        rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
+        rows = broadcast_object(rows)  # to every rank (as is in a single process)
+        metrics.update(episode_metrics(rows), **prepared)
+        return rows, metrics
+
     def train(self) -> dict:
+        """Runs the iterations (every rank under torchrun; rank 0 alone evaluates, logs and plots);
+        returns the run summary on rank 0 (``{}`` on the other ranks)."""
         from torch.utils.tensorboard import SummaryWriter
 
         cfg = self.cfg
-        if not is_main_process():
-            return self._train_worker()
-        writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self.wandb = init_wandb(cfg, self.run_dir)
+        main = is_main_process()
+        writer = metrics_file = None
+        if main:
+            writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.wandb = init_wandb(cfg, self.run_dir)
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
         start = 0
         if self.resume_path is not None:
             self.load_checkpoint(self.resume_path)
             start = self.iteration + 1
-            logger.info("resumed from %s at iteration %d", self.resume_path, start)
-        metrics_file = self._open_metrics(keep_through=start - 1)
+            if main:
+                logger.info("resumed from %s at iteration %d", self.resume_path, start)
+        if main:
+            metrics_file = self._open_metrics(keep_through=start - 1)
         if self.resume_path is None and cfg.warm_start.steps > 0:
-            # the untrained policy's held-out success, plotted at iteration -1
-            self.evals.append((-1, self.evaluate()["eval_success"]))
+            if main:  # the untrained policy's held-out success, plotted at iteration -1
+                self.evals.append((-1, self.evaluate()["eval_success"]))
             summary.update(self.warm_start())
             self.sync_weights()
-            logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
+            if main:
+                logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         evals = self.evals
         try:
             for it in range(start, cfg.iterations):
                 self.iteration = it
                 t0 = time.perf_counter()
                 record: dict = {"iteration": it}
-                if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
+                if main and (it == 0 or (cfg.eval_every and it % cfg.eval_every == 0)):
                     record.update(self.evaluate())
                     evals.append((it, record["eval_success"]))
-                rows, sampling = self.hooks.collect(self.collector)
-                rows, faults = self._drop_faulted(rows)
-                record.update(faults, **sampling)
+                rows, collected = self.collect_rows()
+                record.update(collected)
                 if rows is not None:
-                    rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
-                    rows = broadcast_object(rows)  # to every rank (as is in a single process)
-                    record.update(episode_metrics(rows), **prepared)
                     record.update(self.update(rows))
-                else:
-                    broadcast_object(None)
-                stats = self.collector.stats
-                record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
-                              generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
-                              prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
-                self._log(record, writer, metrics_file)
+                if main:
+                    stats = self.collector.stats
+                    record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                                  generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
+                                  prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
+                    self._log(record, writer, metrics_file)
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     self._periodic_checkpoint()
         except Exception as err:
-            logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %d are in %s; "
-                         "last good checkpoint: %s", self.iteration, type(err).__name__, err, self.iteration - 1,
-                         self.run_dir / "metrics.jsonl", self.last_checkpoint or "none (set checkpoint_every)")
-            metrics_file.close()
+            if main:
+                logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %d are in %s; "
+                             "last good checkpoint: %s", self.iteration, type(err).__name__, err, self.iteration - 1,
+                             self.run_dir / "metrics.jsonl", self.last_checkpoint or "none (set checkpoint_every)")
+                metrics_file.close()
             raise
         self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        if not main:
+            return {}
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         evals.append((cfg.iterations, final["eval_success"]))
@@ -462,26 +498,6 @@ class Trainer:
         plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
                             f"{cfg.env.name} / {cfg.algorithm.name}")
         return summary
-
-    def _train_worker(self) -> dict:
-        """Ranks > 0 under torchrun: the collective calls of rank 0's :meth:`train`, nothing else."""
-        cfg = self.cfg
-        start = 0
-        if self.resume_path is not None:
-            self.load_checkpoint(self.resume_path)
-            start = self.iteration + 1
-        elif cfg.warm_start.steps > 0:
-            self.warm_start()
-            self.sync_weights()
-        for it in range(start, cfg.iterations):
-            self.iteration = it
-            rows = broadcast_object(None)
-            if rows is not None:  # None: every episode of the batch faulted, no update
-                self.update(rows)
-            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
-        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
-        return {}
 
     # ------------------------------------------------------------------ run directory, faults, logs
     def _check_run_dir(self) -> Path | None:
