@@ -8,17 +8,8 @@ from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
 from torchrl_agent.models import model_path
 from torchrl_agent.modules import TransformersPolicy
-from torchrl_agent.objectives import (
-    ClipPolicyLoss,
-    GiGPOAdvantage,
-    GRPOAdvantage,
-    GRPOPassKAdvantage,
-    ReinforcePlusPlusAdvantage,
-    ReinforcePlusPlusBaselineAdvantage,
-    ReMaxAdvantage,
-    RLOOAdvantage,
-)
-from torchrl_agent.trainers.algorithm import ESTIMATORS, check_algorithm
+from torchrl_agent.objectives import ClipPolicyLoss
+from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
            "prompt_budget"]
@@ -47,28 +38,11 @@ def build_collector(cfg, env, policy) -> StepCollector:
 
 
 def build_advantage(cfg):
-    """The advantage module of ``algorithm.name`` (``None`` for ``ppo``: GAE needs the critic's
-    values, see :class:`~torchrl_agent.trainers.algorithm.AlgorithmHooks`)."""
-    check_algorithm(cfg)
-    a = cfg.algorithm
-    estimator = ESTIMATORS[a.name]
-    c = a.invalid_penalty
-    if estimator == "grpo":
-        return GRPOAdvantage(invalid_penalty=c, norm=a.norm)
-    if estimator == "gigpo":
-        return GiGPOAdvantage(gamma=a.gamma, omega=a.omega, invalid_penalty=c, norm=a.norm,
-                              similarity_threshold=a.similarity_threshold)
-    if estimator == "rloo":
-        return RLOOAdvantage(invalid_penalty=c)
-    if estimator == "reinforce_pp":
-        return ReinforcePlusPlusAdvantage(gamma=a.gamma, invalid_penalty=c)
-    if estimator == "reinforce_pp_baseline":
-        return ReinforcePlusPlusBaselineAdvantage(invalid_penalty=c)
-    if estimator == "grpo_passk":
-        return GRPOPassKAdvantage(invalid_penalty=c, norm=a.norm)
-    if estimator == "remax":
-        return ReMaxAdvantage(invalid_penalty=c)
-    return None  # gae (ppo)
+    """The advantage module of ``algorithm.name``'s registered :class:`~.algorithms.Algorithm`
+    (``None`` for an algorithm with a critic: GAE over its values, see
+    :class:`~torchrl_agent.trainers.algorithms.AlgorithmHooks`)."""
+    algorithm = get_algorithm(cfg.algorithm.name)
+    return algorithm.advantage(cfg) if algorithm.advantage is not None else None
 
 
 def build_loss(cfg) -> ClipPolicyLoss:

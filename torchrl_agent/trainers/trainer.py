@@ -16,7 +16,7 @@ Under torchrun rank 0 alone collects (and broadcasts the rows), evaluates and wr
 every rank trains its share of each mini-batch (FSDP2). The pieces live in files named for them:
 :mod:`.builders` (config -> engine, collector, advantage, loss), :mod:`.model_setup` (precision,
 LoRA, FSDP2, reference), :mod:`.batching` (micro-batches, padding), :mod:`.loggers` (metrics
-files, TensorBoard, W&B, plot), :mod:`.algorithm` (what each algorithm adds).
+files, TensorBoard, W&B, plot), :mod:`.algorithms` (each algorithm by name, and the hooks that run its parts).
 
 Metrics go to ``metrics.jsonl`` and TensorBoard in the run directory, one line per iteration to
 the console; :meth:`Trainer.train` returns the run summary printed as the last line by the CLI.
@@ -40,7 +40,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.modules import ResponseLogProbs
-from torchrl_agent.trainers.algorithm import AlgorithmHooks, check_algorithm
+from torchrl_agent.trainers.algorithms import AlgorithmHooks
 from torchrl_agent.trainers.batching import (
     micro_batches,
     minibatch_advantage,
@@ -108,9 +108,8 @@ class Trainer:
     """Runs the loop of the module docstring for a :class:`TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig):
-        validate_config(cfg)  # every value in range, before any model is loaded
+        validate_config(cfg)  # every value in range (the algorithm's settings too), before any model is loaded
         self.cfg = cfg
-        check_algorithm(cfg)  # a wrong algorithm setting fails before any model is loaded
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
@@ -404,7 +403,7 @@ class Trainer:
     def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
         """This iteration's training rows, with their advantages, on every rank; and their metrics.
 
-        Rank 0 collects (:meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithm.AlgorithmHooks.collect>`),
+        Rank 0 collects (:meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithms.AlgorithmHooks.collect>`),
         leaves out faulted episodes, computes the advantages (and PPO's critic update) and broadcasts
         the rows; the other ranks receive them (the metrics dict is empty there). ``None`` rows: every
         episode of the batch faulted, no update this iteration."""
