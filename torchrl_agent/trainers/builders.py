@@ -8,7 +8,6 @@ from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
 from torchrl_agent.models import model_path
 from torchrl_agent.modules import TransformersPolicy
-from torchrl_agent.objectives import ClipPolicyLoss
 from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
@@ -45,9 +44,8 @@ def build_advantage(cfg):
     return algorithm.advantage(cfg) if algorithm.advantage is not None else None
 
 
-def build_loss(cfg) -> ClipPolicyLoss:
-    """The policy loss of the ``algorithm`` config."""
-    a = cfg.algorithm
-    return ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
-                          kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, ratio=a.ratio, max_log_ratio=a.max_log_ratio,
-                          kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
+def build_loss(cfg):
+    """The policy loss of ``algorithm.name`` (:meth:`Algorithm.build_loss
+    <torchrl_agent.trainers.algorithms.Algorithm.build_loss>`): a :class:`~torchrl_agent.objectives.ClipPolicyLoss`
+    with the ``algorithm`` section's settings, or the algorithm's own (PPO's :class:`~torchrl_agent.objectives.PPOLoss`)."""
+    return get_algorithm(cfg.algorithm.name).build_loss(cfg)
