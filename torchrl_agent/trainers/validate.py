@@ -2,10 +2,11 @@
 
 Hydra checks the keys and their types against :mod:`~torchrl_agent.trainers.config`; this module
 checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``,
-sizes ``>= 1``, rates finite and ``> 0``), the ``algorithm`` section (a registered name, the KL
-options, and the algorithm's own ``check``), that a template string holds the ``{observation}``
-placeholder, and that the files a run reads (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config`
-is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
+sizes ``>= 1``, rates finite and ``> 0``), names from a fixed set (``memory.kind``,
+``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
+``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
+that a template string holds the ``{observation}`` placeholder, and that the files a run reads
+(``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
 It also finds the checkpoint a ``resume=`` value means (:func:`resolve_resume`): a ``.pt`` file,
@@ -18,7 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from torchrl_agent.objectives import KL_TYPES
+from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
 
@@ -44,6 +45,14 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
                  "algorithm.grad_clip")
+
+
+# key -> its valid values
+_CHOICES = {
+    "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
+    "algorithm.ratio": ("token", "sequence"),
+}
 
 
 def _get(cfg, dotted: str):
@@ -76,6 +85,12 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")
+    for key, valid in _CHOICES.items():
+        value = _get(cfg, key)
+        if value is not None and value not in valid:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
+        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:
