@@ -11,7 +11,7 @@ import importlib
 from collections.abc import Callable
 
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame, stable_hash
-from torchrl_agent.envs.numberline import NumberLineEnv, NumberLineGame
+from torchrl_agent.envs.games.numberline import NumberLineEnv, NumberLineGame
 
 __all__ = ["ENV_REGISTRY", "GameState", "NumberLineEnv", "NumberLineGame", "TextEnv", "TextGame",
            "make_env", "register_env", "stable_hash"]
@@ -20,13 +20,13 @@ __all__ = ["ENV_REGISTRY", "GameState", "NumberLineEnv", "NumberLineGame", "Text
 #: ``"module:attribute"`` path, imported on first use so optional dependencies stay optional.
 ENV_REGISTRY: dict[str, Callable[..., TextEnv] | str] = {
     "numberline": NumberLineEnv,
-    "ezpoints": "torchrl_agent.envs.gym_cards:EZPointsEnv",
-    "points24": "torchrl_agent.envs.gym_cards:Points24Env",
-    "blackjack": "torchrl_agent.envs.gym_cards:BlackjackEnv",
-    "sokoban": "torchrl_agent.envs.sokoban:SokobanEnv",
+    "ezpoints": "torchrl_agent.envs.games.gym_cards:EZPointsEnv",
+    "points24": "torchrl_agent.envs.games.gym_cards:Points24Env",
+    "blackjack": "torchrl_agent.envs.games.gym_cards:BlackjackEnv",
+    "sokoban": "torchrl_agent.envs.games.sokoban:SokobanEnv",
     "alfworld": "torchrl_agent.envs.alfworld:ALFWorldEnv",
     "search": "torchrl_agent.envs.search:SearchEnv",
-    "babyai": "torchrl_agent.envs.gymnasium_adapter:BabyAIEnv",
+    "babyai": "torchrl_agent.envs.games.babyai:BabyAIEnv",
     "webshop": "torchrl_agent.envs.webshop:WebShopEnv",
     "appworld": "torchrl_agent.envs.appworld:AppWorldEnv",
 }
