@@ -338,3 +338,20 @@ if __name__ == "__main__":
 
     _fsdp_worker(sys.argv[1], sys.argv[2])
     print(json.dumps({"ok": True}))
+
+
+# ---------------------------------------------------------------------- the GPU smoke script
+def test_gpu_smoke_tiny_runs_on_cpu_and_prints_its_json(tmp_path):
+    """``benchmarks/gpu_smoke.sh --tiny``: the script the GPU runs, on CPU at a tiny shape (torchrun,
+    1 process, FSDP2): its last line is the JSON the docs read."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NPROC": "1", "SMOKE_TIMEOUT": "400"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_smoke.sh"), "--tiny"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert summary["benchmark"] == "gpu_smoke" and summary["fsdp2"] is True and summary["model"] == "tiny"
+    assert summary["gen_tokens_per_s"] > 0 and summary["train_tokens_per_s"] > 0 and summary["weight_sync_s"] > 0
+    assert summary["peak_memory_gib"]["update"] > 0 and summary["mfu"] is None  # no peak FLOP/s known on CPU
+    assert summary["measured_iterations"] == 1 and summary["logprob_diff_max_last"] < 1e-4
