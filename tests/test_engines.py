@@ -167,7 +167,7 @@ def vllm_engine(hub_home, tiny_path):
     """One vLLM engine for the module, built as the trainer builds it (``build_policy``) from a hub
     name in the local cache, with every engine setting of the config and sleep mode asked for."""
     from torchrl_agent.modules import vllm_policy
-    from torchrl_agent.trainers.trainer import build_policy
+    from torchrl_agent.trainers.builders import build_policy
 
     env = {k: os.environ.get(k) for k in ("HF_HOME", "HF_HUB_CACHE")}
     os.environ["HF_HOME"] = str(hub_home)
@@ -277,7 +277,7 @@ def _grads(model, rows) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_path, lora):
-    from torchrl_agent.trainers.trainer import apply_lora
+    from torchrl_agent.trainers.model_setup import apply_lora
 
     grads = []
     for checkpointing in (False, True):
