@@ -169,3 +169,6 @@ class TrainConfig:
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
     device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)
+    # under torchrun: seconds a collective waits for every rank (a rank collecting or evaluating
+    # longer than this fails the run); 30 minutes is torch's default
+    collective_timeout_s: float = 1800.0

@@ -40,7 +40,7 @@ _AT_LEAST = {
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
 }
 # finite and > 0
-_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr")
+_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
