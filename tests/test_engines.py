@@ -355,3 +355,30 @@ def test_gpu_smoke_tiny_runs_on_cpu_and_prints_its_json(tmp_path):
     assert summary["gen_tokens_per_s"] > 0 and summary["train_tokens_per_s"] > 0 and summary["weight_sync_s"] > 0
     assert summary["peak_memory_gib"]["update"] > 0 and summary["mfu"] is None  # no peak FLOP/s known on CPU
     assert summary["measured_iterations"] == 1 and summary["logprob_diff_max_last"] < 1e-4
+
+
+def test_collective_timeout_is_configured_and_validated(monkeypatch):
+    """``collective_timeout_s`` is validated, and ``init_distributed`` gives the process group that
+    timeout (a real gloo group of one process)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from torchrl_agent.trainers.distributed import cleanup, init_distributed
+    from torchrl_agent.trainers.validate import ConfigError, validate_config
+
+    cfg = TrainConfig()
+    assert cfg.collective_timeout_s == 1800.0
+    cfg.collective_timeout_s = 0.0
+    with pytest.raises(ConfigError, match="collective_timeout_s"):
+        validate_config(cfg, check_files=False)
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
+        monkeypatch.setenv(key, value)
+    assert not dist.is_initialized()
+    init_distributed("cpu", timeout_s=7200.0)
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+        assert backend.options._timeout == datetime.timedelta(seconds=7200)
+    finally:
+        cleanup()
