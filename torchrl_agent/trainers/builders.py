@@ -26,8 +26,13 @@ def build_policy(cfg, model, tokenizer):
 
         if cfg.model.lora_rank > 0:
             raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        budget = prompt_budget(cfg, tokenizer)  # the engine's context fits every prompt the env sends
         return VLLMPolicy(model_path(cfg.model), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed,
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_num_seqs=r.batch_size)
+                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_prompt_tokens=budget,
+                          max_model_len=r.max_model_len or budget + r.max_new_tokens,
+                          max_num_seqs=r.max_num_seqs or r.batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                          sleep_mode=r.sleep_mode)
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
 
 

@@ -113,7 +113,7 @@ class Trainer:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
-        self.rank, self.world_size, self.device = init_distributed(cfg.device)
+        self.rank, self.world_size, self.device = init_distributed(cfg.device, timeout_s=cfg.collective_timeout_s)
         torch.manual_seed(cfg.seed)
         a = cfg.algorithm
         models = setup_models(cfg, self.device, reference=a.kl_coef > 0 or a.kl_in_reward)

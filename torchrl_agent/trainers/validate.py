@@ -32,6 +32,7 @@ _AT_LEAST = {
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
+    "rollout.tensor_parallel_size": 1, "rollout.max_num_seqs": 1, "rollout.max_model_len": 2,
     "algorithm.epochs": 1, "algorithm.minibatch_size": 1, "algorithm.micro_batch_tokens": 1,
     "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1,
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
@@ -39,7 +40,7 @@ _AT_LEAST = {
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
 }
 # finite and > 0
-_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr")
+_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
@@ -81,6 +82,9 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
+    gpu_fraction = _get(cfg, "rollout.gpu_memory_utilization")
+    if gpu_fraction is not None and not (math.isfinite(gpu_fraction) and 0 < gpu_fraction <= 1):
+        raise ConfigError(f"rollout.gpu_memory_utilization={gpu_fraction}: must be in (0, 1]")
     for key in ("algorithm.lr_warmup_ratio", "warm_start.expert_noise", "algorithm.gamma", "algorithm.lmbda"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
