@@ -177,6 +177,13 @@ class VLLMPolicy(LLMPolicy):
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
+        if self.in_process and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # under torchrun: vLLM's external launcher makes this rank's engine one of several
+            # independent engines over the trainer's process group (consecutive ranks form one
+            # tensor-parallel engine); the default executor would take the whole group for its
+            # own world and wait for the other ranks in collectives they never join (a hang).
+            # Every rank must build its engine at the same time (vLLM's set-up is collective).
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         py_state, np_state = random.getstate(), np.random.get_state()
         try:  # an in-process engine seeds the global RNGs: keep the caller's streams
