@@ -24,6 +24,7 @@ from torch import nn
 
 from torchrl_agent.modules.logprobs import pad_rows
 from torchrl_agent.objectives.ppo import clipped_value_loss
+from torchrl_agent.trainers.batching import fit_width
 
 __all__ = ["ValueModel", "Critic"]
 
@@ -107,8 +108,8 @@ class Critic:
                 idx = order[start:start + minibatch_size]
                 value, mask = self.model(rows[idx])
                 width = value.shape[-1]
-                old = _fit(old_values[idx], width).to(value.device)
-                target = _fit(returns[idx], width).to(value.device)
+                old = fit_width(old_values[idx], width).to(value.device)
+                target = fit_width(returns[idx], width).to(value.device)
                 loss, frac = clipped_value_loss(value, old, target, mask, value_clip=self.value_clip,
                                                 aggregation=self.aggregation, norm_length=self.norm_length)
                 self.optimizer.zero_grad(set_to_none=True)
@@ -128,10 +129,3 @@ class Critic:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def _fit(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` [n, W] cut or zero-padded to [n, width]."""
-    if x.shape[-1] >= width:
-        return x[:, :width]
-    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))
