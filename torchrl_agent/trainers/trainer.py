@@ -140,9 +140,9 @@ class Trainer:
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
                                       chunk_tokens=a.logprob_chunk_tokens)
-        self.loss = build_loss(cfg)
-        # per-algorithm collection (dynamic sampling, ReMax baseline) and preparation (KL in the
-        # reward, PPO's critic): every rank, on the same gathered rows
+        self.loss = build_loss(cfg)  # before the hooks: PPO's critic trains with this loss's value term
+        # the algorithm's parts (baseline episodes, critic) and options (dynamic sampling, KL in the
+        # reward) around collection and advantages: every rank, on the same gathered rows
         self.hooks = AlgorithmHooks(cfg, self)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")

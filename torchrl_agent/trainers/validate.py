@@ -2,10 +2,11 @@
 
 Hydra checks the keys and their types against :mod:`~torchrl_agent.trainers.config`; this module
 checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``,
-sizes ``>= 1``, rates finite and ``> 0``), the ``algorithm`` section (a registered name, the KL
-options, and the algorithm's own ``check``), that a template string holds the ``{observation}``
-placeholder, and that the files a run reads (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config`
-is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
+sizes ``>= 1``, rates finite and ``> 0``), names from a fixed set (``memory.kind``,
+``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
+``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
+that a template string holds the ``{observation}`` placeholder, and that the files a run reads
+(``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
 It also finds the checkpoint a ``resume=`` value means (:func:`resolve_resume`): a ``.pt`` file,
@@ -18,7 +19,7 @@ import math
 import os
 from pathlib import Path
 
-from torchrl_agent.objectives import KL_TYPES
+from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
 
@@ -31,6 +32,7 @@ _AT_LEAST = {
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
+    "rollout.tensor_parallel_size": 1, "rollout.max_num_seqs": 1, "rollout.max_model_len": 2,
     "algorithm.epochs": 1, "algorithm.minibatch_size": 1, "algorithm.micro_batch_tokens": 1,
     "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1,
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
@@ -44,6 +46,14 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
                  "algorithm.grad_clip")
+
+
+# key -> its valid values
+_CHOICES = {
+    "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
+    "algorithm.ratio": ("token", "sequence"),
+}
 
 
 def _get(cfg, dotted: str):
@@ -72,10 +82,19 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
+    gpu_fraction = _get(cfg, "rollout.gpu_memory_utilization")
+    if gpu_fraction is not None and not (math.isfinite(gpu_fraction) and 0 < gpu_fraction <= 1):
+        raise ConfigError(f"rollout.gpu_memory_utilization={gpu_fraction}: must be in (0, 1]")
     for key in ("algorithm.lr_warmup_ratio", "warm_start.expert_noise", "algorithm.gamma", "algorithm.lmbda"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")
+    for key, valid in _CHOICES.items():
+        value = _get(cfg, key)
+        if value is not None and value not in valid:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
+        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:

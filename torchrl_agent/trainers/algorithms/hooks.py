@@ -15,7 +15,7 @@ Every estimator, loss and option, with its reference counterpart: ``docs/algorit
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 
 from torchrl_agent.objectives import (
     AdaptiveKLController,
@@ -23,7 +23,6 @@ from torchrl_agent.objectives import (
     FixedKLController,
     episode_scores,
     kl_in_reward,
-    token_gae,
 )
 from torchrl_agent.trainers.algorithms.registry import get_algorithm
 from torchrl_agent.trainers.batching import fit_width, pad_ragged, response_mask
@@ -103,13 +102,15 @@ class AlgorithmHooks:
         if self.critic is None:
             return advantage(rows), metrics
         values = self.critic.values(rows)
-        mask = response_mask(rows, values.shape[-1])
         scores = episode_scores(rows["reward"].reshape(-1), rows["traj_id"].reshape(-1),
                                 rows.get("action_valid", None), invalid_penalty=a.invalid_penalty)
+        gae = TensorDict({"old_state_value": values, "mask": response_mask(rows, values.shape[-1]),
+                          "score": scores.float()}, batch_size=[values.shape[0]])
         if token_reward is not None:
-            token_reward = fit_width(token_reward, values.shape[-1])
-        adv, returns = token_gae(values, mask, scores.float(), gamma=a.gamma, lmbda=a.lmbda, token_rewards=token_reward)
-        rows.set("advantage", adv)
+            gae["token_reward"] = fit_width(token_reward, values.shape[-1])
+        self.critic.loss.compute_advantage(gae)  # PPOLoss: GAE, whitened; the returns are the value targets
+        rows.set("advantage", gae["advantage"])
+        returns = gae["value_target"]
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + 17 + self.trainer.iteration)
         metrics.update(self.critic.update(rows, values, returns, epochs=a.epochs, minibatch_size=a.minibatch_size,
                                           generator=generator))

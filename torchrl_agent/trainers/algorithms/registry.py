@@ -15,7 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ALGORITHM_REGISTRY", "Algorithm", "get_algorithm", "register_algorithm"]
+from torchrl_agent.objectives import ClipPolicyLoss
+
+__all__ = ["ALGORITHM_REGISTRY", "Algorithm", "clip_loss_kwargs", "get_algorithm", "register_algorithm"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,9 @@ class Algorithm:
             TensorDict module taking the collected rows ``[N]`` and writing ``"advantage"``,
             ``[N, 1]`` per row or ``[N, T]`` per response token. ``None`` with a ``critic``:
             the advantage is GAE over the critic's values.
+        loss: ``cfg -> loss module``, the policy loss; ``None``: :class:`~torchrl_agent.objectives.ClipPolicyLoss`
+            with the ``algorithm`` section's settings (:func:`clip_loss_kwargs`), which covers
+            PPO/GRPO/DAPO/GSPO clipping, the KL and entropy terms and the aggregations.
         critic: ``(cfg, trainer) -> Critic`` (:class:`~torchrl_agent.trainers.critic.Critic`), a
             value model trained beside the policy (PPO); ``None``: no critic.
         baseline: ``(cfg, trainer) -> baseline``, extra episodes collected with every batch whose
@@ -42,6 +47,7 @@ class Algorithm:
 
     name: str
     advantage: Callable[[Any], Any] | None = None
+    loss: Callable[[Any], Any] | None = None
     critic: Callable[[Any, Any], Any] | None = None
     baseline: Callable[[Any, Any], Any] | None = None
     check: Callable[[Any], None] | None = None
@@ -51,6 +57,19 @@ class Algorithm:
         if (self.advantage is None) == (self.critic is None):
             raise ValueError(f"algorithm {self.name!r}: give an advantage, or a critic (GAE over its values), "
                              "exactly one")
+
+    def build_loss(self, cfg):
+        """The policy loss of this algorithm for the run config ``cfg``."""
+        return self.loss(cfg) if self.loss is not None else ClipPolicyLoss(**clip_loss_kwargs(cfg))
+
+
+def clip_loss_kwargs(cfg) -> dict:
+    """The :class:`~torchrl_agent.objectives.ClipPolicyLoss` settings of the ``algorithm`` section
+    (``loss_norm_length`` defaults to ``rollout.max_new_tokens``)."""
+    a = cfg.algorithm
+    return dict(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
+                kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, ratio=a.ratio, max_log_ratio=a.max_log_ratio,
+                kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
 
 
 #: every registered algorithm by ``algorithm.name``
