@@ -4,6 +4,8 @@ and are re-exported here)."""
 
 from __future__ import annotations
 
+import copy
+
 from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
 from torchrl_agent.models import model_path
@@ -11,7 +13,7 @@ from torchrl_agent.modules import TransformersPolicy
 from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
-           "prompt_budget"]
+           "prompt_budget", "rollout_config"]
 
 
 def build_policy(cfg, model, tokenizer):
@@ -36,9 +38,47 @@ def build_policy(cfg, model, tokenizer):
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
 
 
-def build_collector(cfg, env, policy) -> StepCollector:
-    """The training collector: complete groups of ``env``'s episodes, seeded by ``cfg.seed``."""
-    return StepCollector(env, policy, seed=cfg.seed, lockstep=cfg.rollout.lockstep, progress=cfg.progress)
+def engine_ranks(cfg) -> int:
+    """Ranks per rollout engine: ``rollout.tensor_parallel_size`` for vLLM, 1 for transformers."""
+    return cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+
+
+def rollout_config(cfg, split: str = "train"):
+    """``cfg`` with this rank's share of the groups of ``split`` (``env.num_groups`` for ``"train"``,
+    ``env.eval_episodes`` for ``"eval"``): under torchrun every rollout engine collects whole groups
+    of its own (:class:`~torchrl_agent.collectors.DistributedStepCollector`); ``cfg`` itself in a
+    single process."""
+    from torchrl_agent.collectors.distributed import DistributedStepCollector, rollout_rank
+
+    if rollout_rank(engine_ranks(cfg))[1] == 1:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    key = "num_groups" if split == "train" else "eval_episodes"
+    total = getattr(cfg.env, key)
+    try:
+        groups, _ = DistributedStepCollector.groups_of(total, engine_ranks(cfg))
+    except ValueError as err:
+        raise ValueError(f"env.{key}: {err}") from None
+    setattr(cfg.env, key, groups)
+    return cfg
+
+
+def build_collector(cfg, env, policy, *, split: str = "train"):
+    """The collector of ``env`` (built from :func:`rollout_config`): complete groups of episodes,
+    seeded by ``cfg.seed``. A single process: a :class:`~torchrl_agent.collectors.StepCollector`;
+    under torchrun a :class:`~torchrl_agent.collectors.DistributedStepCollector` (every rank its
+    groups with its own engine, the rows gathered on every rank)."""
+    from torchrl_agent.collectors.distributed import DistributedStepCollector, rollout_rank
+    from torchrl_agent.trainers.distributed import is_main_process
+
+    train = split == "train"
+    lockstep, progress = cfg.rollout.lockstep and train, cfg.progress and train
+    tp = engine_ranks(cfg)
+    if rollout_rank(tp)[1] == 1:
+        return StepCollector(env, policy, seed=cfg.seed, lockstep=lockstep, progress=progress)
+    total = cfg.env.num_groups if train else cfg.env.eval_episodes
+    return DistributedStepCollector(env, policy, num_groups=total, seed=cfg.seed, lockstep=lockstep,
+                                    progress=progress and is_main_process(), tp_size=tp)
 
 
 def build_advantage(cfg):
