@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if result.get("interrupted"):
             return 130
         return 1 if result.get("failed_episodes") and result["failed_episodes"] >= result["episodes"] else 0
+    from torchrl_agent.trainers.run_dir import RunInterrupted
     from torchrl_agent.trainers.trainer import Trainer
 
     try:
@@ -112,16 +113,30 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError, FileNotFoundError) as err:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("torchrl-agent: interrupted while starting; nothing was trained", file=sys.stderr)
+        return 130
     from torchrl_agent.trainers.trainer import CheckpointError, TrainingDivergedError
 
     try:
         summary = trainer.train()
+    except RunInterrupted as err:  # SIGINT / SIGTERM: stopped at the end of an iteration, with a checkpoint
+        print(f"torchrl-agent: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        print(f"torchrl-agent: interrupted; continue from the last checkpoint with resume=auto "
+              f"run_dir={trainer.run_dir}", file=sys.stderr)
+        return 130
     except (CheckpointError, TrainingDivergedError) as err:  # metrics.jsonl is complete, checkpoints finite
         print(f"torchrl-agent: {err}", file=sys.stderr)
         return 1
+    except OSError as err:  # a full disk, a lost mount: what was written is intact
+        print(f"torchrl-agent: the run stopped ({err}); fix it (free space), then continue with resume=auto "
+              f"run_dir={trainer.run_dir}", file=sys.stderr)
+        return 1
     if summary:  # ranks > 0 under torchrun return {}
         print(json.dumps(summary), flush=True)
-    return 0
+    return 1 if summary.get("checkpoint_error") else 0
 
 
 if __name__ == "__main__":
