@@ -397,3 +397,95 @@ def _iterations_written(run: Path) -> list[int]:
     from torchrl_agent.trainers.run_dir import metrics_iterations
 
     return metrics_iterations(run)
+
+
+# ----------------------------------------------------------------------------------- signals, kills, orphans
+def _descendants(pid: int) -> set[int]:
+    """Every process below ``pid`` (its env workers, the multiprocessing resource tracker, ...)."""
+    out, todo = set(), [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            for child in children:
+                if child not in out:
+                    out.add(child)
+                    todo.append(child)
+    return out
+
+
+def _gone(pids: set[int], within: float = 10.0) -> set[int]:
+    """The pids of ``pids`` still running (not zombies) after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        alive = set()
+        for pid in pids:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state != "Z":
+                alive.add(pid)
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _start_trainer(run: Path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
+    """A trainer process with 2 env worker processes; returns it and its child processes once its
+    first iteration is in ``metrics.jsonl``."""
+    proc = subprocess.Popen([sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *SMALL, "iterations=50",
+                             "checkpoint_every=1", "env.num_workers=2", f"run_dir={run}", *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, "the trainer did not finish an iteration in 300 s"
+        time.sleep(0.2)
+    children = _descendants(proc.pid)
+    assert len(children) >= 2, children  # the env workers
+    return proc, children
+
+
+@pytest.mark.parametrize("signum, code", [(2, 130), (15, 143)])  # SIGINT (Ctrl-C), SIGTERM (a scheduler)
+def test_sigint_and_sigterm_stop_at_the_end_of_an_iteration_with_a_checkpoint_and_resume_continues(
+        tmp_path, signum, code):
+    from torchrl_agent.trainers import Trainer
+
+    run = tmp_path / "run"
+    proc, children = _start_trainer(run)
+    os.kill(proc.pid, signum)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err
+    message = _one_line(err)
+    assert "stopped by SIG" in message and f"resume=auto run_dir={run}" in message, message
+    assert not _gone(children)  # the env workers and the resource tracker ended with it
+    assert not (run / ".lock").exists()  # released
+    done = _iterations(run)
+    last = max(done)
+    assert done == list(range(last + 1))
+    assert read_checkpoint(run / "checkpoints" / f"iteration_{last:05d}.pt")["iteration"] == last
+    Trainer(compose_config([*SMALL, f"iterations={last + 2}", "checkpoint_every=1", f"run_dir={run}",
+                            "resume=auto"])).train()
+    assert _iterations(run) == list(range(last + 3))
+
+
+def test_a_killed_trainer_leaves_no_orphans_and_resume_auto_takes_over_its_lock(tmp_path, caplog):
+    from torchrl_agent.trainers import Trainer
+
+    run = tmp_path / "run"
+    proc, children = _start_trainer(run)
+    proc.kill()  # SIGKILL: no handler runs
+    proc.communicate()
+    assert not _gone(children, within=5.0)  # PR_SET_PDEATHSIG: the workers went with it
+    assert (run / ".lock").exists()
+    last = find_resumable(run)[1]["iteration"]
+    with caplog.at_level(logging.WARNING, logger="torchrl_agent"):
+        trainer = Trainer(compose_config([*SMALL, f"iterations={last + 2}", "checkpoint_every=1", f"run_dir={run}",
+                                          "resume=auto"]))
+    assert "no longer running" in caplog.text
+    trainer.train()
+    assert _iterations(run) == list(range(last + 3))  # the lines after the checkpoint were replaced

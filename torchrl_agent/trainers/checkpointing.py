@@ -153,23 +153,44 @@ def write_checkpoint(state: dict, path: str | Path, *, kept: str = "") -> int:
     state = {"format": FORMAT, **to_plain({k: v for k, v in state.items() if k not in ("format", "checksum")})}
     state["checksum"] = checksum(state)
     tmp = path.with_name(path.name + ".tmp")
+    f = None
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as raw:
+            f = _Writer(raw)
             torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, path)  # never a half-written checkpoint under the real name
     except (OSError, RuntimeError) as err:
-        tmp.unlink(missing_ok=True)
         try:
             free = f"{_free_bytes(path.parent) / 1e6:.1f} MB free in {path.parent}"
         except OSError:
             free = f"free space of {path.parent} unknown"
-        cause = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else err.__class__.__name__}"
-        raise CheckpointError(f"writing {path} failed ({cause}); {free} (disk full?)"
+        tmp.unlink(missing_ok=True)
+        cause = (f is not None and f.error) or err  # torch reports a failed write as "unexpected pos"
+        text = str(cause).splitlines()[0] if str(cause) else ""
+        raise CheckpointError(f"writing {path} failed ({type(cause).__name__}: {text}); {free} (disk full?)"
                               + (f"; {kept}" if kept else "")) from err
     _fsync_dir(path.parent)
     return path.stat().st_size
+
+
+class _Writer:
+    """The file ``torch.save`` writes to, keeping the first ``OSError`` of a write (``ENOSPC``,
+    ``EFBIG``): torch reports it as an unrelated ``RuntimeError``."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def write(self, data) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.raw.flush()
 
 
 def _free_bytes(folder: Path) -> int:

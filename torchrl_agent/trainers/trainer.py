@@ -642,7 +642,8 @@ class Trainer:
                 else:
                     broadcast_object(None)
                 stats = self.collector.stats
-                record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                record.update(env_steps=stats["env_steps"],  # rows collected (with fault_rows_dropped: nothing lost)
+                              env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
                               generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
                               prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
                 self._log(record, writer, metrics_file)
