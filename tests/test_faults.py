@@ -18,7 +18,7 @@ from tensordict import TensorDict
 
 from torchrl_agent.envs import register_env
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame
-from torchrl_agent.envs.numberline import NumberLineGame
+from torchrl_agent.envs.games.numberline import NumberLineGame
 from torchrl_agent.trainers.cli import compose_config, main
 
 SMALL = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",

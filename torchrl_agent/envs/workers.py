@@ -44,6 +44,7 @@ from torchrl.data import Categorical
 from torchrl.envs import EnvBase
 
 from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list
+from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
 
 __all__ = ["ParallelTextEnv"]
 
@@ -52,9 +53,7 @@ logger = logging.getLogger(__name__)
 
 def _build_env(factory: str | Callable[..., TextEnv], num_games: int, env_kwargs: dict) -> TextEnv:
     if isinstance(factory, str):
-        from torchrl_agent.envs import make_env
-
-        return make_env(factory, num_groups=1, group_size=num_games, seed=0, num_workers=0, **env_kwargs)
+        factory = env_constructor(factory)
     return factory(num_groups=1, group_size=num_games, seed=0, **env_kwargs)
 
 
@@ -169,8 +168,6 @@ class ParallelTextEnv(TextEnv):
         if not (isinstance(env_name_or_factory, str) or callable(env_name_or_factory)):
             raise TypeError(f"env_name_or_factory must be an env name or a callable, got {env_name_or_factory!r}")
         if isinstance(env_name_or_factory, str):
-            from torchrl_agent.envs import ENV_REGISTRY
-
             if env_name_or_factory not in ENV_REGISTRY:
                 raise KeyError(f"unknown environment {env_name_or_factory!r}; known: {sorted(ENV_REGISTRY)}")
         if num_groups < 1 or group_size < 1:

@@ -6,6 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+__all__ = ["AlgorithmConfig", "ConfigError", "EnvConfig", "EvalConfig", "MemoryConfig", "ModelConfig",
+           "RolloutConfig", "TrainConfig", "WandbConfig", "WarmStartConfig"]
+
+
+class ConfigError(ValueError):
+    """A config value out of its range; the message starts with the key
+    (:func:`~torchrl_agent.trainers.validate.validate_config` checks every value)."""
+
 
 @dataclass
 class EnvConfig:
@@ -58,7 +66,7 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | gigpo | ppo | dapo | gspo | rloo | reinforce_pp | reinforce_pp_baseline | grpo_passk | remax
+    name: str = "grpo"  # a name of trainers.algorithms.ALGORITHM_REGISTRY: grpo | gigpo | ppo | dapo | gspo | rloo | ...
     norm: str = "mean_std"  # mean_std | mean
     gamma: float = 0.95  # GiGPO step-return discount
     omega: float = 1.0  # GiGPO step-term weight

@@ -22,11 +22,11 @@ import time
 from tensordict import lazy_stack
 
 from torchrl_agent.collectors import StepCollector, episode_metrics
+from torchrl_agent.envs.factory import build_env
 from torchrl_agent.models import load_model
 from torchrl_agent.modules import HTTPPolicy, TransformersPolicy
 from torchrl_agent.trainers.checkpointing import check_model_state, read_checkpoint
 from torchrl_agent.trainers.config import TrainConfig
-from torchrl_agent.trainers.trainer import build_env
 
 __all__ = ["evaluate_policy"]
 

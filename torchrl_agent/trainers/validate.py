@@ -1,10 +1,12 @@
 """Every value of a run config checked at start, with the key's name in the message.
 
 Hydra checks the keys and their types against :mod:`~torchrl_agent.trainers.config`; this module
-checks the values: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``, sizes ``>= 1``, rates
-finite and ``> 0``), that a template string holds the ``{observation}`` placeholder, and that the
-files a run reads (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config`
-is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
+checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``,
+sizes ``>= 1``, rates finite and ``> 0``), names from a fixed set (``memory.kind``,
+``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
+``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
+that a template string holds the ``{observation}`` placeholder, and that the files a run reads
+(``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
 Which checkpoint a ``resume=`` value means, and whether it verifies, is
@@ -14,13 +16,14 @@ Which checkpoint a ``resume=`` value means, and whether it verifies, is
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
+from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
+from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
+from torchrl_agent.trainers.config import ConfigError
+
 __all__ = ["ConfigError", "validate_config"]
-
-
-class ConfigError(ValueError):
-    """A config value out of its range; the message starts with the key."""
 
 
 # key -> (lower bound, inclusive?) ; None values are allowed where the schema says Optional
@@ -42,6 +45,14 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
                  "algorithm.grad_clip")
+
+
+# key -> its valid values
+_CHOICES = {
+    "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
+    "algorithm.ratio": ("token", "sequence"),
+}
 
 
 def _get(cfg, dotted: str):
@@ -70,12 +81,17 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
-    for key in ("algorithm.lr_warmup_ratio", "algorithm.similarity_threshold", "warm_start.expert_noise"):
+    for key in ("algorithm.lr_warmup_ratio", "warm_start.expert_noise", "algorithm.gamma", "algorithm.lmbda"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")
-    if not 0 <= cfg.algorithm.gamma <= 1:
-        raise ConfigError(f"algorithm.gamma={cfg.algorithm.gamma}: must be in [0, 1]")
+    for key, valid in _CHOICES.items():
+        value = _get(cfg, key)
+        if value is not None and value not in valid:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
+        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:
         if cfg.model.path is not None and _looks_like_path(cfg.model.path) and not Path(cfg.model.path).exists():
@@ -88,6 +104,30 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"resume={cfg.resume}: no such file or directory")
         if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
             raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
+
+
+def _check_algorithm(cfg) -> None:
+    """The ``algorithm`` section: a registered name, the KL options, and the algorithm's own checks."""
+    a = cfg.algorithm
+    if a.name not in ALGORITHM_REGISTRY:
+        raise ConfigError(f"algorithm.name: unknown algorithm {a.name!r}; valid: {', '.join(ALGORITHM_REGISTRY)}")
+    for key in ("kl_type", "kl_reward_type"):
+        if getattr(a, key) not in KL_TYPES:
+            raise ConfigError(f"algorithm.{key}: unknown KL estimator {getattr(a, key)!r}; valid: {', '.join(KL_TYPES)}")
+    if a.kl_ctrl not in ("fixed", "adaptive"):
+        raise ConfigError(f"algorithm.kl_ctrl: must be fixed or adaptive, got {a.kl_ctrl!r}")
+    if a.kl_ctrl == "adaptive" and (a.kl_target <= 0 or a.kl_horizon <= 0):
+        raise ConfigError("algorithm.kl_target and algorithm.kl_horizon must be > 0 for kl_ctrl=adaptive")
+    if a.similarity_threshold is not None and not 0.0 < a.similarity_threshold <= 1.0:
+        raise ConfigError(f"algorithm.similarity_threshold={a.similarity_threshold}: must be in (0, 1] or null")
+    if a.value_clip is not None and not (math.isfinite(a.value_clip) and a.value_clip > 0):
+        raise ConfigError(f"algorithm.value_clip={a.value_clip}: must be > 0 (or null: no value clipping)")
+    if a.kl_in_reward and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("algorithm.kl_in_reward is not supported under torchrun yet (the sharded reference "
+                          "cannot run on rank 0 alone); use it in a single process or use algorithm.kl_coef")
+    check = ALGORITHM_REGISTRY[a.name].check
+    if check is not None:
+        check(cfg)
 
 
 def _looks_like_path(value: str) -> bool:
