@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -56,8 +57,39 @@ def _build_env(factory: str | Callable[..., TextEnv], num_games: int, env_kwargs
     return factory(num_groups=1, group_size=num_games, seed=0, **env_kwargs)
 
 
-def _worker_main(conn, factory, num_games: int, env_kwargs: dict) -> None:
+def die_with_parent(parent: int) -> None:
+    """In a child process: end when the process ``parent`` ends, however it ends (``kill -9``
+    included), so that no worker outlives its trainer. Linux: ``PR_SET_PDEATHSIG`` (the kernel sends
+    SIGKILL when the parent dies); elsewhere a daemon thread polls the parent pid. Ctrl-C is left to
+    the parent (SIGINT ignored here): it stops the run and closes its workers."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+                if os.getppid() != parent:  # the parent died before the call
+                    os._exit(0)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="torchrl_agent-parent-watch", daemon=True).start()
+
+
+def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | None = None) -> None:
     """A worker's loop: build the games, then answer ``(command, [(local index, argument)])`` messages."""
+    if parent is not None:
+        die_with_parent(parent)
     try:
         env = _build_env(factory, num_games, env_kwargs)
         games = env.games
@@ -192,7 +224,8 @@ class ParallelTextEnv(TextEnv):
         for w in workers:
             parent, child = self._ctx.Pipe()
             w.process = self._ctx.Process(
-                target=_worker_main, args=(child, self._factory, len(w.indices), self._env_kwargs), daemon=True
+                target=_worker_main, args=(child, self._factory, len(w.indices), self._env_kwargs, os.getpid()),
+                daemon=True,
             )
             w.process.start()
             child.close()

@@ -27,13 +27,11 @@ the console; :meth:`Trainer.train` returns the run summary printed as the last l
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import datetime
-import json
 import logging
 import random
-import shutil
 import time
 from pathlib import Path
 
@@ -60,6 +58,14 @@ from torchrl_agent.trainers.builders import (
     prompt_budget,
     rollout_config,
 )
+from torchrl_agent.trainers.checkpointing import (
+    CheckpointError,
+    check_model_state,
+    numpy_state,
+    plain_numpy_state,
+    read_checkpoint,
+    write_checkpoint,
+)
 from torchrl_agent.trainers.config import TrainConfig
 from torchrl_agent.trainers.distributed import (
     broadcast_object,
@@ -78,32 +84,22 @@ from torchrl_agent.trainers.distributed import (
 )
 from torchrl_agent.trainers.loggers import console_line, finite_record, init_wandb, plot_learning_curve, write_record
 from torchrl_agent.trainers.model_setup import setup_models
-from torchrl_agent.trainers.validate import resolve_resume, validate_config
+from torchrl_agent.trainers.run_dir import (
+    GuardedSink,
+    RunDirLock,
+    RunInterrupted,
+    StopSignals,
+    check_run_dir,
+    metrics_iterations,
+    new_run_dir,
+    open_metrics,
+)
+from torchrl_agent.trainers.validate import validate_config
 
 __all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
            "token_budget_batches"]
 
 logger = logging.getLogger("torchrl_agent")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (no space, a failed write, non-finite weights); the
-    message says why and which earlier checkpoint is intact."""
-
-
-def _tensor_bytes(obj) -> int:
-    """Bytes held by the tensors in a nested dict/list (a checkpoint's size, roughly)."""
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def _write_checkpoint(state: dict, path: Path) -> None:
-    torch.save(state, path)
 
 
 class TrainingDivergedError(RuntimeError):
@@ -145,12 +141,16 @@ class Trainer:
         # reward) around collection and advantages: every rank, on the same gathered rows
         self.hooks = AlgorithmHooks(cfg, self)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
-        self.run_dir = Path(broadcast_object(str(self.run_dir)))  # rank 0's timestamp
-        self.resume_path = self._check_run_dir()
-        if is_main_process():
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        # the run directory (run_dir.py): a new folder of its own, or run_dir=, held by a lock
+        run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
+        self.run_dir = Path(broadcast_object(run_dir))  # rank 0's folder
+        self.lock = RunDirLock(self.run_dir).acquire() if is_main_process() else None
+        self.signals = StopSignals()  # SIGINT / SIGTERM: stop at the end of an iteration (train)
+        try:
+            self.resume_path = self._check_run_dir()
+        except BaseException:
+            self.close()
+            raise
         self.iteration = 0
         self.history: list[dict] = []
         self.evals: list[tuple[int, float]] = []  # (iteration, held-out success)
@@ -376,15 +376,15 @@ class Trainer:
         """Save everything the next iteration depends on: weights, optimizer, iteration, the
         collector's position in its seed stream, RNG states and the metrics so far.
 
-        Written to a ``.tmp`` file and renamed, so a checkpoint on disk is always complete. Raises
+        Written atomically and with a checksum, as plain tensors and values that load without
+        running code (:func:`~torchrl_agent.trainers.checkpointing.write_checkpoint`). Raises
         :class:`CheckpointError` (nothing written, the previous checkpoint intact) when the weights
-        hold NaN/inf, when the disk has too little free space, or when the write fails."""
+        hold NaN/inf or when the write fails (a full disk)."""
         path = Path(path or self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt")
         model_state = full_state_dict(self.model)  # every rank gathers; rank 0 holds and writes
         optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
         if not is_main_process():
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
         kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
         bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
                and not torch.isfinite(v).all()]
@@ -394,29 +394,23 @@ class Trainer:
         state = {
             "model": model_state, "optimizer": optimizer_state,
             "iteration": self.iteration, "collector": self.collector.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "history": self.history, "evals": self.evals, "config": dataclasses.asdict(self.cfg),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": plain_numpy_state()},
+            "history": self.history, "evals": [list(e) for e in self.evals], "config": dataclasses.asdict(self.cfg),
             "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
-        need = _tensor_bytes(state) * 1.05 + 16e6  # the tensors plus pickling overhead
-        free = shutil.disk_usage(path.parent).free
-        if free < need:
-            raise CheckpointError(f"not enough free space to write {path}: about {need / 1e6:.0f} MB needed, "
-                                  f"{free / 1e6:.0f} MB free in {path.parent}; {kept}")
-        tmp = path.with_suffix(".tmp")
-        try:
-            _write_checkpoint(state, tmp)
-            tmp.replace(path)  # never a half-written checkpoint
-        except (OSError, RuntimeError) as err:
-            tmp.unlink(missing_ok=True)
-            free = shutil.disk_usage(path.parent).free
-            raise CheckpointError(f"writing {path} failed ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                                  f"{free / 1e6:.0f} MB free in {path.parent} (disk full?); {kept}") from err
+        write_checkpoint(state, path, kept=kept)
         self.last_checkpoint = path
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False) if is_main_process() else {}
+        """Continue from checkpoint ``path``: read and verified once by ``_check_run_dir`` (or now,
+        :func:`~torchrl_agent.trainers.checkpointing.read_checkpoint`); no code of the file runs."""
+        state = {}
+        if is_main_process():
+            state = self._resume_state if path == self.resume_path and self._resume_state else read_checkpoint(path)
+            self._resume_state = None
+            check_model_state(state["model"], {k: v.shape for k, v in self.model.state_dict().items()}, path,
+                              state.get("config"))
         load_full_state_dict(self.model, state.get("model", {}))
         load_full_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}))
         self.sync_weights()  # the rollout engine gets the loaded weights
@@ -428,9 +422,30 @@ class Trainer:
             return
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        np.random.set_state(numpy_state(state["rng"]["numpy"]))
         self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
         self.last_checkpoint = Path(path)
+
+    def close(self) -> None:
+        """Release the run directory's lock (also done at exit) and the signal handlers."""
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
+        if getattr(self, "signals", None) is not None:
+            self.signals.uninstall()
+
+    def _stop_if_signalled(self) -> None:
+        """After an iteration: if SIGINT / SIGTERM came (to rank 0), every rank saves a checkpoint of
+        it (unless the periodic one just did) and raises :class:`~torchrl_agent.trainers.run_dir.RunInterrupted`."""
+        signum = self.signals.requested if is_main_process() else None
+        if is_distributed():
+            signum = broadcast_object(signum)
+        if signum is None:
+            return
+        self.signals.requested = signum
+        done = self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt"
+        if self.last_checkpoint != done:
+            self.save_checkpoint(done)
+        raise self.signals.stop_message(self.run_dir, done, self.iteration)
 
     # ------------------------------------------------------------------ loop
     def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
@@ -459,9 +474,13 @@ class Trainer:
         cfg = self.cfg
         main = is_main_process()
         writer = metrics_file = None
+        # SIGINT / SIGTERM stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
+        self.signals.install()
         if main:
-            writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+            # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
+            writer = GuardedSink("TensorBoard", SummaryWriter(str(self.run_dir / "tensorboard")))
             self.wandb = init_wandb(cfg, self.run_dir)
+            self.wandb = None if self.wandb is None else GuardedSink("W&B", self.wandb)
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
         start = 0
@@ -495,23 +514,38 @@ class Trainer:
                     record.update(self.update(rows))
                 if main:
                     stats = self.collector.stats
-                    record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                    record.update(env_steps=stats["env_steps"],  # rows collected (with fault_rows_dropped: none lost)
+                                  env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
                                   generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
                                   prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
                     self._log(record, writer, metrics_file)
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     self._periodic_checkpoint()
+                self._stop_if_signalled()  # SIGINT / SIGTERM: a checkpoint, then RunInterrupted
+        except RunInterrupted:
+            if main:
+                metrics_file.close()
+            self.close()
+            raise
         except Exception as err:
             if main:
-                logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %d are in %s; "
-                             "last good checkpoint: %s", self.iteration, type(err).__name__, err, self.iteration - 1,
-                             self.run_dir / "metrics.jsonl", self.last_checkpoint or "none (set checkpoint_every)")
-                metrics_file.close()
+                logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %s are in %s; "
+                             "last good checkpoint: %s", self.iteration, type(err).__name__, err,
+                             max(metrics_iterations(self.run_dir), default="none"), self.run_dir / "metrics.jsonl",
+                             self.last_checkpoint or "none (set checkpoint_every)")
+                with contextlib.suppress(OSError):  # a full disk: the buffered line cannot be flushed either
+                    metrics_file.close()
+            self.close()
             raise
-        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        try:
+            self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        except CheckpointError as err:  # training is done: the final evaluation and the summary still come
+            logger.error("%s", err)
+            summary["checkpoint_error"] = str(err)
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         if not main:
+            self.close()
             return {}
         evals.append((cfg.iterations, final["eval_success"]))
         self._log(final, writer, metrics_file)
@@ -528,37 +562,30 @@ class Trainer:
         )
         plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
                             f"{cfg.env.name} / {cfg.algorithm.name}")
+        self.close()
         return summary
 
     # ------------------------------------------------------------------ run directory, faults, logs
     def _check_run_dir(self) -> Path | None:
-        """The checkpoint to resume from (``resume=``: a file, a run directory, or ``auto``); refuses
-        a ``run_dir`` that already holds a run when ``resume=`` is not set."""
-        if self.cfg.resume is None:
-            used = [name for name in ("metrics.jsonl", "checkpoints") if (self.run_dir / name).exists()]
-            if used:
-                raise ValueError(f"run_dir={self.run_dir} already holds a run ({', '.join(used)}): pass "
-                                 "resume=auto to continue it, or choose another run_dir")
-            return None
-        path = resolve_resume(self.cfg.resume, str(self.run_dir))
-        if path is None:
-            logger.info("resume=auto: no checkpoint in %s, starting a new run", self.run_dir)
-        return path
+        """The checkpoint to resume from (``resume=``: a file, a run directory, or ``auto``), read
+        and verified, its model checked against this one; refuses a ``run_dir`` that already holds a
+        run when ``resume=`` is not set (:func:`~torchrl_agent.trainers.run_dir.check_run_dir`)."""
+        self._resume_state = None
+        path = None
+        if is_main_process():
+            path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
+            if self._resume_state is not None:
+                check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
+                                  path, self._resume_state.get("config"))
+            for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
+                stale.unlink(missing_ok=True)
+        path = broadcast_object(None if path is None else str(path))
+        return None if path is None else Path(path)
 
     def _open_metrics(self, keep_through: int):
-        """``metrics.jsonl`` for appending, cut to the lines of iterations ``<= keep_through`` (a
-        resumed run rewrites what came after its checkpoint; a line cut short by a kill is dropped)."""
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line)["iteration"] <= keep_through:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
-            path.write_text("".join(kept))
-        return open(path, "a")
+        """``metrics.jsonl`` for appending, holding exactly the records of the checkpoint resumed from
+        (iterations ``<= keep_through``; none for a new run), so a resumed run repeats and skips none."""
+        return open_metrics(self.run_dir, [h for h in self.history if h["iteration"] <= keep_through])
 
     def _periodic_checkpoint(self) -> None:
         """A periodic checkpoint that cannot be written is reported and the run goes on (the

@@ -9,8 +9,8 @@ that a template string holds the ``{observation}`` placeholder, and that the fil
 (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
-It also finds the checkpoint a ``resume=`` value means (:func:`resolve_resume`): a ``.pt`` file,
-a run directory (its newest complete checkpoint) or ``auto`` (the newest one in ``run_dir``).
+Which checkpoint a ``resume=`` value means, and whether it verifies, is
+:mod:`~torchrl_agent.trainers.checkpointing`'s (here only: the file or folder exists).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
 
-__all__ = ["ConfigError", "resolve_resume", "newest_checkpoint", "validate_config"]
+__all__ = ["ConfigError", "validate_config"]
 
 
 # key -> (lower bound, inclusive?) ; None values are allowed where the schema says Optional
 _AT_LEAST = {
-    "iterations": 0, "eval_every": 0, "checkpoint_every": 0,
+    "iterations": 0, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
@@ -102,8 +102,12 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"model.path={cfg.model.path}: no such folder")
         if cfg.eval.checkpoint is not None and not Path(cfg.eval.checkpoint).is_file():
             raise ConfigError(f"eval.checkpoint={cfg.eval.checkpoint}: no such file")
-        if cfg.resume is not None:
-            resolve_resume(cfg.resume, cfg.run_dir)
+        if cfg.resume == "auto" and cfg.run_dir is None:
+            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
+        if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+            raise ConfigError(f"resume={cfg.resume}: no such file or directory")
+        if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+            raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
 
 
 def _check_algorithm(cfg) -> None:
@@ -144,34 +148,3 @@ def _check_template(template) -> None:
     if "{observation}" not in template:
         raise ConfigError(f"env.template={template!r}: neither a template name ({', '.join(names)}) "
                           "nor a template string with the {observation} placeholder")
-
-
-def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint (``*.pt``; a ``.tmp`` is a write that did not finish) under
-    ``folder`` or ``folder/checkpoints``; ``None`` when there is none."""
-    folder = Path(folder)
-    found = [p for d in (folder, folder / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file()]
-    if not found:
-        return None
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.pt", p.name))
-
-
-def resolve_resume(resume: str | None, run_dir: str | None) -> Path | None:
-    """The checkpoint file ``resume=`` points at: a ``.pt`` file, a run directory (its newest
-    checkpoint) or ``auto`` (the newest checkpoint of ``run_dir``; ``None`` when it has none, then
-    the run starts fresh)."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        if run_dir is None:
-            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
-        return newest_checkpoint(run_dir)
-    path = Path(resume)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        found = newest_checkpoint(path)
-        if found is None:
-            raise ConfigError(f"resume={resume}: no checkpoint (*.pt) in {path} or {path / 'checkpoints'}")
-        return found
-    raise ConfigError(f"resume={resume}: no such file or directory")
