@@ -67,6 +67,13 @@ def test_webshop_items_file_of_the_wrong_shape_is_named(webshop_dir):
     assert "got an object" in str(info.value)
 
 
+def test_a_bad_data_file_read_in_worker_processes_is_raised_as_is(webshop_dir):
+    items = webshop_dir / "items_shuffle_1000.json"
+    items.write_text(items.read_text()[:500])
+    with pytest.raises(DataFileError, match=rf"^{items}: not valid JSON"):  # not a RuntimeError quoting a traceback
+        make_env("webshop", data_dir=str(webshop_dir), num_workers=1, num_groups=1, group_size=2)
+
+
 def test_webshop_instruction_file_of_the_wrong_shape_is_named(webshop_dir):
     attributes = webshop_dir / "items_ins_v2_1000.json"
     attributes.write_text(json.dumps(list(json.loads(attributes.read_text()).values())))  # a list, not an object
