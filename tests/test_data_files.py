@@ -317,3 +317,18 @@ def test_cli_reports_a_bad_data_file_in_one_line_with_exit_2(webshop_dir, capsys
     assert main(["train", "experiment=smoke", "env.name=webshop", f"+env.kwargs.data_dir={webshop_dir}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"torchrl-agent: invalid config: {items}: not valid JSON"), err
+
+
+def test_cli_reports_a_bad_evaluation_data_file_in_one_line_with_exit_2(alfworld_dir, tmp_path, capsys):
+    """The evaluation env is built at the first evaluation (iteration 0, before any training)."""
+    pytest.importorskip("alfworld", reason="needs the 'alfworld' extra")  # installed in CI: never skipped there
+    from torchrl_agent.trainers.cli import main
+
+    valid = alfworld_dir / REAL_GAME.replace("/train/", "/valid_unseen/")
+    shutil.copytree(alfworld_dir / REAL_GAME, valid)
+    game = valid / "game.tw-pddl"
+    game.write_text(game.read_text()[:2000])
+    assert main(["train", "experiment=smoke", "env.name=alfworld", f"+env.kwargs.data_dir={alfworld_dir}",
+                 f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"torchrl-agent: invalid config: {game}: not valid JSON"), err
