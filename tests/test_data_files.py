@@ -122,6 +122,18 @@ def test_webshop_instruction_with_a_mistyped_field_is_named(webshop_dir):
         _webshop(webshop_dir)
 
 
+def test_webshop_products_skipped_by_webshops_rule_are_counted_in_a_warning(webshop_dir, caplog):
+    items = webshop_dir / "items_shuffle_1000.json"
+    products = json.loads(items.read_text())
+    products[4]["asin"] = "nan"  # WebShop's loader skips such rows
+    items.write_text(json.dumps(products))
+    with caplog.at_level(logging.WARNING):
+        catalogue = load_catalogue(str(webshop_dir))
+    assert len(catalogue.products) == len(products) - 1
+    assert "skipped 1 products whose asin is empty, 'nan' or longer than 10 characters" in caplog.text
+    assert "the first: record 4" in caplog.text
+
+
 def test_webshop_valid_files_still_load(webshop_dir):
     env = _webshop(webshop_dir)
     assert len(env.catalogue.products) == len(json.loads((webshop_dir / "items_shuffle_1000.json").read_text()))
@@ -332,3 +344,13 @@ def test_cli_reports_a_bad_evaluation_data_file_in_one_line_with_exit_2(alfworld
                  f"run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"torchrl-agent: invalid config: {game}: not valid JSON"), err
+
+
+def test_alfworld_unsolvable_games_are_counted_in_the_log(alfworld_dir, caplog):
+    game = alfworld_dir / REAL_GAME / "game.tw-pddl"
+    content = json.loads(game.read_text())
+    content["solvable"] = False
+    game.write_text(json.dumps(content))
+    with caplog.at_level(logging.INFO, logger="torchrl_agent.envs.alfworld.files"):
+        assert find_game_files(str(alfworld_dir)) == []
+    assert f"skipped 1 games not marked solvable (as ALFWorld does); the first: {game}" in caplog.text

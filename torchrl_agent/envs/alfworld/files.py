@@ -65,7 +65,7 @@ def _split_dir(data_dir: str, split: str) -> str:
 
 
 def _find_game_files(split_dir: str, task_types: tuple[str, ...]) -> tuple[str, ...]:
-    found, incomplete = [], []
+    found, incomplete, unsolvable = [], [], []
     for root, _dirs, files in os.walk(split_dir):
         has_traj, has_game = "traj_data.json" in files, "game.tw-pddl" in files
         if not (has_traj or has_game):
@@ -79,11 +79,15 @@ def _find_game_files(split_dir: str, task_types: tuple[str, ...]) -> tuple[str, 
         if task_type_of(game_file) not in task_types:
             continue
         if read_game_file(game_file).get("solvable") is not True:  # ALFWorld marks the games its expert solved
+            unsolvable.append(game_file)
             continue
         found.append(game_file)
     if incomplete:
         logger.warning("%s: skipped %d game folders that miss a file (as ALFWorld does); the first lacks %s",
                        split_dir, len(incomplete), incomplete[0])
+    if unsolvable:
+        logger.info("%s: skipped %d games not marked solvable (as ALFWorld does); the first: %s", split_dir,
+                    len(unsolvable), unsolvable[0])
     return tuple(sorted(found))
 
 

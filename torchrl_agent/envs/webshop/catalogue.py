@@ -158,6 +158,7 @@ class WebShopCatalogue:
         if num_products is not None:
             items = items[:num_products]
         self.products: list[dict] = []
+        skipped: list[int] = []
         for index, item in enumerate(items):  # every record used is checked (cheap beside json.load itself)
             _check_item(item, index, items_file)
             if item["asin"] in attributes:
@@ -167,6 +168,11 @@ class WebShopCatalogue:
             product = self._process(item, attributes, human if human_goals else None)
             if product is not None:
                 self.products.append(product)
+            else:
+                skipped.append(index)
+        if skipped:
+            logger.warning("%s: skipped %d products whose asin is empty, 'nan' or longer than 10 characters (as "
+                           "WebShop does); the first: record %d", items_file, len(skipped), skipped[0])
         if not self.products:
             raise ValueError(f"{source}: no products")
         self.by_asin = {p["asin"]: p for p in self.products}
