@@ -239,6 +239,7 @@ def _train_run(cfg) -> tuple[int, dict]:
     checkpoint (continue with ``resume=auto``), 0: done."""
     from omegaconf import OmegaConf
 
+    from torchrl_agent.envs.data_files import DataFileError
     from torchrl_agent.trainers.run_dir import RunInterrupted
     from torchrl_agent.trainers.trainer import CheckpointError, Trainer, TrainingDivergedError
 
@@ -264,6 +265,9 @@ def _train_run(cfg) -> tuple[int, dict]:
     except (CheckpointError, TrainingDivergedError) as err:  # metrics.jsonl is complete, checkpoints finite
         print(f"torchrl-agent: {err}", file=sys.stderr)
         return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
+    except DataFileError as err:  # a bad evaluation data file, read when the first evaluation builds its env
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
     except OSError as err:  # a full disk, a lost mount: what was written is intact
         print(f"torchrl-agent: the run stopped ({err}); fix it (free space), then {resume}", file=sys.stderr)
         return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
