@@ -6,7 +6,7 @@ Each recipe of ``configs/experiment/`` meant for GPUs runs ``torchrl-agent train
 settings stay (algorithm, memory, prompt budget, template, action format, mini-batch and micro-batch
 sizes) except what cannot fit 2 CPU cores:
 
-- the model: SmolLM2-135M-Instruct (``model=smollm2``; head size 64, one vLLM's CPU attention
+- the model: SmolLM2-135M-Instruct (``model.name=smollm2-135m model.path=null``; head size 64, one vLLM's CPU attention
   supports) in float32 (the recipes' bfloat16 is GPU compute: float32 keeps the engine/trainer
   log-prob comparison at float32 precision);
 - the sizes: ``env.num_groups=2``, ``env.group_size=2``, ``env.eval_episodes=2``, at most 3 steps
@@ -42,7 +42,7 @@ GPU_RECIPES = ("alfworld_gigpo", "alfworld_gigpo_7b", "alfworld_grpo", "webshop_
                "sokoban_gigpo", "appworld_gigpo", "ezpoints_gigpo")
 
 #: What every rehearsal changes (the rest is the recipe's).
-CUTS = ["model=smollm2", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",
+CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",
         "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=3",
         "rollout.max_new_tokens=16", "progress=false", "threads=1", "checkpoint_every=0"]
 
@@ -70,8 +70,12 @@ def rehearse(name: str, workdir: Path, timeout: float) -> dict:
     watcher, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         peak = max(peak, _tree_rss(watcher))
-        if time.perf_counter() - t0 > timeout:
-            os.killpg(proc.pid, 9)  # the whole session this run started, nothing else
+        if time.perf_counter() - t0 > timeout:  # this run's processes only (torchrun's ranks have sessions of their own)
+            for p in [*watcher.children(recursive=True), watcher]:
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
             proc.wait()
             break
         time.sleep(0.5)
@@ -92,8 +96,9 @@ def rehearse(name: str, workdir: Path, timeout: float) -> dict:
             out["logprob_diff_after_sync"] = max(engines or [trained[1]["logprob_diff_max"]])
         out["episodes"] = [r.get("episodes") for r in trained]
     if not completed:
-        tail = (workdir / f"{name}.log").read_text().splitlines()[-15:]
-        out["error"] = next((line for line in reversed(tail) if "Error" in line), tail[-1] if tail else "")[:400]
+        lines = (workdir / f"{name}.log").read_text().splitlines()
+        out["error"] = next((line for line in lines if line.startswith(("torchrl-agent:", "[rank0]: ", "Traceback"))
+                             and "elastic" not in line), lines[-1] if lines else "")[:400]
     return out
 
 
