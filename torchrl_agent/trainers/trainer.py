@@ -129,8 +129,11 @@ class Trainer:
         self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
         self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
         self.eval_policy.temperature = r.eval_temperature
-        self.env = build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
-        self.collector = build_collector(cfg, self.env, self.policy)
+        # (collector.kind=multiprocess/ray: the collector's processes build their own envs and engines;
+        # this process's engine evaluates)
+        sharded = cfg.collector.kind != "step"
+        self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
+        self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
         self.weight_sync_s = 0.0  # the last weight sync's seconds
         self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
@@ -267,6 +270,7 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.warmup_lr()
+        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
         old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
@@ -329,7 +333,15 @@ class Trainer:
         every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
         them into its own engine."""
         t0 = time.perf_counter()
-        if is_distributed():
+        self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
+        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
+            state = full_weights(self.model, self.compute_dtype)
+            self.collector.update_policy_weights_(state)
+            if self.rollout_model is None:
+                self.policy.update_weights(state)
+            elif self.rollout_model is not self.model:
+                self.rollout_model.load_state_dict(state)
+        elif is_distributed():
             state = full_weights(self.model, self.compute_dtype)
             if self.rollout_model is not None:
                 self.rollout_model.load_state_dict(state)
@@ -542,6 +554,8 @@ class Trainer:
         except CheckpointError as err:  # training is done: the final evaluation and the summary still come
             logger.error("%s", err)
             summary["checkpoint_error"] = str(err)
+        if cfg.collector.kind != "step":
+            self.collector.shutdown()  # its processes / actors
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         if not main:
