@@ -1,7 +1,10 @@
 """The ``torchrl-agent`` console script.
 
 ``torchrl-agent train [hydra overrides...]`` trains (default experiment: ``quickstart``) and prints,
-as its last line, one JSON object summarising the run. ``torchrl-agent eval [overrides...]`` runs a
+as its last line, one JSON object summarising the run. It is a Hydra application: ``-m`` sweeps
+(``torchrl-agent train -m seed=0,1 algorithm=grpo,gigpo``) run one run per combination, each in
+``<hydra.sweep.dir>/<job number>``, on Hydra's launchers (joblib, submitit), and print the sweep's
+summary last. ``torchrl-agent eval [overrides...]`` runs a
 policy (``eval.checkpoint=``, ``model.path=``, or ``eval.endpoint=`` for an OpenAI-compatible
 server) on the environment's evaluation panel and prints its success, overall and per task type. Overrides are Hydra's:
 ``torchrl-agent train algorithm=gigpo env.num_groups=8 iterations=20``.
@@ -17,9 +20,12 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-__all__ = ["compose_config", "config_dir", "main"]
+__all__ = ["SweepSummary", "compose_config", "config_dir", "main"]
 
-
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: a sweep's job writes its record (overrides, exit code, summary) here, in its Hydra job folder
+SWEEP_RECORD = "job.json"
+logger = logging.getLogger(__name__)
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -129,9 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result.get("failed_episodes") and result["failed_episodes"] >= result["episodes"] else 0
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
 def _train(args: list[str]) -> int:
     """``torchrl-agent train``: Hydra's application (``-m``, launchers, sweepers, ``--cfg``), after
     checking the config of every run it will start (a broken one exits 2, naming the key, before any
@@ -228,9 +231,6 @@ def _train_job(cfg) -> int:
     _OUTCOME["code"] = code
     return code
 
-
-SWEEP_RECORD = "job.json"
-logger = logging.getLogger(__name__)
 
 
 def _train_run(cfg) -> tuple[int, dict]:
