@@ -136,7 +136,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if summary:  # ranks > 0 under torchrun return {}
         print(json.dumps(summary), flush=True)
-    return 1 if summary.get("checkpoint_error") else 0
+    if summary.get("checkpoint_error"):  # trained and evaluated, but the final checkpoint is not on disk
+        print(f"torchrl-agent: {summary['checkpoint_error']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
