@@ -274,7 +274,10 @@ def _train_run(cfg) -> tuple[int, dict]:
     if summary:  # ranks > 0 under torchrun return {}
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
         print(json.dumps(summary), flush=True)
-    return (1 if summary.get("checkpoint_error") else 0), summary
+    if summary.get("checkpoint_error"):  # trained and evaluated, but the final checkpoint is not on disk
+        print(f"torchrl-agent: {summary['checkpoint_error']}", file=sys.stderr)
+        return 1, summary
+    return 0, summary
 
 
 class SweepSummary(Callback):
