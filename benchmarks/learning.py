@@ -1,6 +1,6 @@
 """Does reinforcement learning (not the warm start) raise held-out success? GRPO and GiGPO, 10 seeds.
 
-Per task (``configs/experiment/learning_<task>.yaml``) and seed, one run is: the bundled
+Per task (``torchrl_agent/configs/experiment/learning_<task>.yaml``) and seed, one run is: the bundled
 ``tiny-large`` model, a deliberately short supervised warm start on the environment's expert
 (``warm_start.steps``), then RL only (``iterations``), scored on a fixed held-out panel of
 ``env.eval_episodes`` games (the environment's evaluation seeds, disjoint from the training and

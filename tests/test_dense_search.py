@@ -13,8 +13,15 @@ from torchrl.envs.utils import check_env_specs
 
 from torchrl_agent.collectors.step_collector import _per_task_success
 from torchrl_agent.envs import make_env
-from torchrl_agent.envs.retrievers import DenseRetriever, default_dense_model_path, load_searchr1_questions
-from torchrl_agent.envs.search import Corpus, SearchEnv, load_fanoutqa_questions, load_wiki_corpus
+from torchrl_agent.envs.search import (
+    Corpus,
+    DenseRetriever,
+    SearchEnv,
+    default_dense_model_path,
+    load_fanoutqa_questions,
+    load_searchr1_questions,
+    load_wiki_corpus,
+)
 
 TITLES = ["Ulaanbaatar", "Mongolia", "Wright brothers", "Airplane", "Eiffel Tower", "Gustave Eiffel",
           "Mount Everest", "Photosynthesis", "Volcano", "Jazz", "Chess", "Penicillin"]

@@ -126,7 +126,7 @@ def test_summary_reports_success_after_warm_start(tmp_path):
 
 
 def test_numberline_distance_bounds_hold_for_every_seed():
-    from torchrl_agent.envs.numberline import NumberLineGame
+    from torchrl_agent.envs.games.numberline import NumberLineGame
 
     game = NumberLineGame(max_position=9, min_distance=6, max_distance=9)
     distances = set()
@@ -171,7 +171,7 @@ def test_expert_noise_makes_the_demonstrator_act_at_random_at_that_rate():
 
 
 def test_numberline_invalid_reward_is_what_a_no_op_returns():
-    from torchrl_agent.envs.numberline import NumberLineGame
+    from torchrl_agent.envs.games.numberline import NumberLineGame
 
     for reward in (0.0, -1.0):
         game = NumberLineGame(max_position=9, min_distance=6, invalid_reward=reward)
@@ -183,7 +183,7 @@ def test_numberline_invalid_reward_is_what_a_no_op_returns():
 def test_numberline_relative_observation_describes_the_same_state():
     """The relative observation is the offset to the target, step after step, and the game (moves,
     rewards, expert) is the absolute one's: same seed, same actions, same outcome."""
-    from torchrl_agent.envs.numberline import NumberLineGame
+    from torchrl_agent.envs.games.numberline import NumberLineGame
 
     absolute = NumberLineGame(max_position=9, min_distance=6, max_distance=9)
     relative = NumberLineGame(max_position=9, min_distance=6, max_distance=9, observation="relative")
