@@ -9,8 +9,8 @@ that a template string holds the ``{observation}`` placeholder, and that the fil
 (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
-It also finds the checkpoint a ``resume=`` value means (:func:`resolve_resume`): a ``.pt`` file,
-a run directory (its newest complete checkpoint) or ``auto`` (the newest one in ``run_dir``).
+Which checkpoint a ``resume=`` value means, and whether it verifies, is
+:mod:`~torchrl_agent.trainers.checkpointing`'s (here only: the file or folder exists).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
 
-__all__ = ["ConfigError", "resolve_resume", "newest_checkpoint", "validate_config"]
+__all__ = ["ConfigError", "validate_config"]
 
 
 # key -> (lower bound, inclusive?) ; None values are allowed where the schema says Optional
 _AT_LEAST = {
-    "iterations": 0, "eval_every": 0, "checkpoint_every": 0,
+    "iterations": 0, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
@@ -38,6 +38,7 @@ _AT_LEAST = {
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
+    "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
@@ -52,7 +53,7 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
 _CHOICES = {
     "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
     "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
-    "algorithm.ratio": ("token", "sequence"),
+    "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
 }
 
 
@@ -95,6 +96,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
     if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
         raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    _check_collector(cfg)
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:
@@ -102,8 +104,33 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"model.path={cfg.model.path}: no such folder")
         if cfg.eval.checkpoint is not None and not Path(cfg.eval.checkpoint).is_file():
             raise ConfigError(f"eval.checkpoint={cfg.eval.checkpoint}: no such file")
-        if cfg.resume is not None:
-            resolve_resume(cfg.resume, cfg.run_dir)
+        if cfg.resume == "auto" and cfg.run_dir is None:
+            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
+        if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+            raise ConfigError(f"resume={cfg.resume}: no such file or directory")
+        if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+            raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
+
+
+def _check_collector(cfg) -> None:
+    """The ``collector`` section against the engine, the groups and the launch."""
+    c = _get(cfg, "collector")
+    if c is None or c.kind == "step":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"collector.kind={c.kind} is not supported under torchrun: use collector.kind=step "
+                          "(every rank collects its share of the groups with its own engine)")
+    if c.kind == "multiprocess" and cfg.rollout.engine != "vllm":
+        raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm")
+    if c.num_collectors > cfg.env.num_groups:
+        raise ConfigError(f"collector.num_collectors={c.num_collectors}: at most env.num_groups={cfg.env.num_groups} "
+                          "(every collector steps whole groups)")
+    if cfg.algorithm.name in ALGORITHM_REGISTRY and ALGORITHM_REGISTRY[cfg.algorithm.name].baseline is not None:
+        raise ConfigError(f"collector.kind={c.kind} with algorithm.name={cfg.algorithm.name}: its baseline episodes "
+                          "replay the training env's group seeds in the trainer's process; use collector.kind=step")
+    if cfg.memory.kind == "summary":
+        raise ConfigError(f"collector.kind={c.kind} with memory.kind=summary: the collector processes have no "
+                          "summarising policy; use collector.kind=step")
 
 
 def _check_algorithm(cfg) -> None:
@@ -144,34 +171,3 @@ def _check_template(template) -> None:
     if "{observation}" not in template:
         raise ConfigError(f"env.template={template!r}: neither a template name ({', '.join(names)}) "
                           "nor a template string with the {observation} placeholder")
-
-
-def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint (``*.pt``; a ``.tmp`` is a write that did not finish) under
-    ``folder`` or ``folder/checkpoints``; ``None`` when there is none."""
-    folder = Path(folder)
-    found = [p for d in (folder, folder / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file()]
-    if not found:
-        return None
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.pt", p.name))
-
-
-def resolve_resume(resume: str | None, run_dir: str | None) -> Path | None:
-    """The checkpoint file ``resume=`` points at: a ``.pt`` file, a run directory (its newest
-    checkpoint) or ``auto`` (the newest checkpoint of ``run_dir``; ``None`` when it has none, then
-    the run starts fresh)."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        if run_dir is None:
-            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
-        return newest_checkpoint(run_dir)
-    path = Path(resume)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        found = newest_checkpoint(path)
-        if found is None:
-            raise ConfigError(f"resume={resume}: no checkpoint (*.pt) in {path} or {path / 'checkpoints'}")
-        return found
-    raise ConfigError(f"resume={resume}: no such file or directory")

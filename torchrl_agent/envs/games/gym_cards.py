@@ -1,0 +1,394 @@
+"""Gym Cards as text: EZPoints, Points24 and Blackjack (NumberLine lives in :mod:`~torchrl_agent.envs.games.numberline`).
+
+Rules (the reference is RL4VLM's gym-cards as used by verl-agent):
+
+* **EZPoints** (:class:`EZPointsEnv`): two cards are dealt; build a formula one token a step from the
+  actions ``1 .. 10``, ``+``, ``*``, ``=`` (A counts 1, J/Q/K count 10). ``=`` finishes the formula
+  and ends the episode: reward 10 (solved) when the formula is well formed, uses each card's value
+  exactly once and equals 12, else 0. 8 steps at most.
+* **Points24** (:class:`Points24Env`): the same with four cards, the actions ``1 .. 10``, ``+``,
+  ``-``, ``*``, ``/``, ``(``, ``)``, ``=`` and the target 24 (exact rational arithmetic, so
+  ``8 / (3 - 8 / 3)`` counts). 20 steps (tokens) at most.
+* **Blackjack** (:class:`BlackjackEnv`): an infinite deck (every draw is uniform over the 13 ranks);
+  the player holds two cards and sees one dealer card. ``hit`` draws a card (above 21: lost, the
+  episode ends); ``stand`` lets the dealer draw until 17 or more (a usable ace counts 11), then the
+  higher total wins. Reward 1 for a win, else 0; 15 steps at most.
+
+Any other string (case and surrounding spaces ignored) is a no-op: the step is spent, the reward is
+0 and nothing changes; the formula games do not append it. In the formula games a number that is not
+the value of a card still unused (not on the cards, or all cards of that value already typed) is
+rejected the same way, as gym-cards' ``_is_valid_action`` does. Formulas are evaluated by a small
+recursive-descent parser over the typed tokens with :class:`fractions.Fraction` (never ``eval``).
+
+Deals: ``solvable_only=True`` (the default) redraws a deal until a formula reaching the target
+exists, so every episode can be won (as in gym-cards, whose deals are drawn to be solvable); with
+``False`` any deal is kept and unsolvable ones have ``expert_action == ""``.
+
+Experts: for the formula games a solver enumerates every formula over the cards (all orders,
+operators and bracketings, written with minimal and with full brackets) that reaches the target and
+gives the next token of the first one, in a fixed order, that extends what has been typed; ``""``
+when none does (the typed prefix is a dead end). For Blackjack, the basic strategy without doubling
+or splitting (hard totals: stand on 17+, on 13-16 against a dealer 2-6, on 12 against 4-6; soft
+totals: stand on 19+, on 18 against a dealer 2-8; hit otherwise).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+
+__all__ = [
+    "FormulaGame", "EZPointsGame", "Points24Game", "BlackjackGame",
+    "EZPointsEnv", "Points24Env", "BlackjackEnv",
+    "evaluate_formula", "solutions",
+]
+
+RANKS = ("A", "2", "3", "4", "5", "6", "7", "8", "9", "10", "J", "Q", "K")
+NUMBER_TOKENS = tuple(str(v) for v in range(1, 11))
+
+
+def card_value(rank: str) -> int:
+    """A=1, 2..10 face value, J/Q/K=10 (the formula games' values)."""
+    return 1 if rank == "A" else 10 if rank in ("J", "Q", "K") else int(rank)
+
+
+# ---------------------------------------------------------------------------------------- formulas
+class _ParseError(ValueError):
+    pass
+
+
+def evaluate_formula(tokens: list[str] | tuple[str, ...]) -> tuple[Fraction, list[int]]:
+    """Evaluate a token list (numbers ``1..10``, ``+ - * /``, brackets) exactly.
+
+    Returns ``(value, numbers used)``; raises ``ValueError`` on a malformed formula or a division
+    by zero. Grammar: ``expr := term (('+'|'-') term)*``, ``term := atom (('*'|'/') atom)*``,
+    ``atom := number | '(' expr ')'``.
+    """
+    tokens = list(tokens)
+    pos = 0
+    used: list[int] = []
+
+    def peek() -> str | None:
+        return tokens[pos] if pos < len(tokens) else None
+
+    def atom() -> Fraction:
+        nonlocal pos
+        tok = peek()
+        if tok == "(":
+            pos += 1
+            value = expr()
+            if peek() != ")":
+                raise _ParseError("missing ')'")
+            pos += 1
+            return value
+        if tok in NUMBER_TOKENS:
+            pos += 1
+            used.append(int(tok))
+            return Fraction(int(tok))
+        raise _ParseError(f"expected a number or '(' at token {pos}")
+
+    def term() -> Fraction:
+        nonlocal pos
+        value = atom()
+        while peek() in ("*", "/"):
+            op = tokens[pos]
+            pos += 1
+            rhs = atom()
+            if op == "/" and rhs == 0:
+                raise _ParseError("division by zero")
+            value = value * rhs if op == "*" else value / rhs
+        return value
+
+    def expr() -> Fraction:
+        nonlocal pos
+        value = term()
+        while peek() in ("+", "-"):
+            op = tokens[pos]
+            pos += 1
+            rhs = term()
+            value = value + rhs if op == "+" else value - rhs
+        return value
+
+    value = expr()
+    if pos != len(tokens):
+        raise _ParseError(f"unexpected token {tokens[pos]!r} at {pos}")
+    return value, used
+
+
+# An expression tree: an int leaf or (op, left, right).
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+
+
+def _trees(values: tuple[int, ...], ops: tuple[str, ...], memo: dict) -> list[tuple[Any, float]]:
+    """Every (tree, float value) over ``values`` in this order, with operators from ``ops`` (memoised)."""
+    if values in memo:
+        return memo[values]
+    if len(values) == 1:
+        out = [(values[0], float(values[0]))]
+    else:
+        out = []
+        for split in range(1, len(values)):
+            for left, lv in _trees(values[:split], ops, memo):
+                for right, rv in _trees(values[split:], ops, memo):
+                    for op in ops:
+                        if op == "/":
+                            if rv == 0:
+                                continue
+                            value = lv / rv
+                        else:
+                            value = lv + rv if op == "+" else lv - rv if op == "-" else lv * rv
+                        out.append(((op, left, right), value))
+    memo[values] = out
+    return out
+
+
+def _render(tree, full: bool, parent_op: str | None = None, right: bool = False) -> list[str]:
+    """Tokens of ``tree``: with every bracket (``full``) or only the needed ones."""
+    if isinstance(tree, int):
+        return [str(tree)]
+    op, left, rhs = tree
+    tokens = _render(left, full, op, False) + [op] + _render(rhs, full, op, True)
+    if parent_op is None:
+        return tokens
+    needed = full or _PRECEDENCE[op] < _PRECEDENCE[parent_op] or (
+        right and _PRECEDENCE[op] == _PRECEDENCE[parent_op] and parent_op in "-/"
+    )
+    return ["(", *tokens, ")"] if needed else tokens
+
+
+@functools.lru_cache(maxsize=4096)
+def solutions(values: tuple[int, ...], target: int, ops: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
+    """Every token sequence (without ``=``) that uses each of ``values`` once and equals ``target``.
+
+    Sorted: minimal-bracket formulas first, then by length and text, so the expert is deterministic.
+    """
+    found: set[tuple[int, tuple[str, ...]]] = set()
+    arithmetic = tuple(op for op in ops if op in _PRECEDENCE)
+    memo: dict = {}
+    for order in set(itertools.permutations(values)):
+        for tree, value in _trees(order, arithmetic, memo):
+            if abs(value - target) > 1e-6:  # floats screen the candidates, the parser confirms exactly
+                continue
+            tokens = tuple(_render(tree, full=False))
+            if evaluate_formula(tokens)[0] == target:
+                found.add((0, tokens))
+                if "(" in ops:
+                    found.add((1, tuple(_render(tree, full=True))))
+    if "(" not in ops:  # no brackets available: keep the formulas that read right without them
+        found = {(k, f) for k, f in found if "(" not in f}
+    return tuple(f for _, f in sorted(found, key=lambda kf: (kf[0], len(kf[1]), kf[1])))
+
+
+class FormulaGame(TextGame):
+    """Build a formula from the dealt cards, one token a step (EZPoints / Points24 rules).
+
+    Args:
+        num_cards: cards dealt.
+        target: the value the formula must reach.
+        operators: the operator and bracket tokens allowed besides the numbers and ``=``.
+        solvable_only: redraw deals until a solution exists.
+        expert: fill ``expert_action`` from the solver.
+    """
+
+    def __init__(self, num_cards: int, target: int, operators: tuple[str, ...], solvable_only: bool = True,
+                 expert: bool = True):
+        self.num_cards, self.target, self.operators = num_cards, target, tuple(operators)
+        self.solvable_only, self.expert = solvable_only, expert
+        self.actions = (*NUMBER_TOKENS, *self.operators, "=")
+        self._solver_ops = tuple(op for op in self.operators if op in _PRECEDENCE) + (
+            ("(",) if "(" in self.operators else ()
+        )
+        self.cards: list[str] = []
+        self.formula: list[str] = []
+
+    @property
+    def values(self) -> tuple[int, ...]:
+        return tuple(sorted(card_value(c) for c in self.cards))
+
+    def _solutions(self) -> tuple[tuple[str, ...], ...]:
+        return solutions(self.values, self.target, self._solver_ops)
+
+    def reset(self, seed: int) -> GameState:
+        rng = np.random.default_rng(seed)
+        for _ in range(1000):
+            deck = rng.permutation(52)[: self.num_cards]  # four suits of 13 ranks, drawn without replacement
+            self.cards = [RANKS[int(i) % 13] for i in deck]
+            if not self.solvable_only or self._solutions():
+                break
+        self.formula = []
+        return self._state()
+
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        token = action.strip() if isinstance(action, str) else ""
+        if token not in self.actions or (token in NUMBER_TOKENS and not self.available(token)):
+            return self._state(), 0.0, False, False
+        if token != "=":
+            self.formula.append(token)
+            return self._state(), 0.0, False, False
+        solved = self.check(self.formula)
+        self.formula.append("=")
+        return self._state(), 10.0 if solved else 0.0, True, solved
+
+    def available(self, number: str) -> bool:
+        """Whether a card of value ``number`` is still unused by the formula typed so far."""
+        return self.formula.count(number) < sum(card_value(c) == int(number) for c in self.cards)
+
+    def check(self, formula: list[str]) -> bool:
+        """True when ``formula`` is well formed, uses each card value once and equals the target."""
+        try:
+            value, used = evaluate_formula(formula)
+        except ValueError:
+            return False
+        return value == self.target and sorted(used) == sorted(self.values)
+
+    def expert_action(self) -> str:
+        if self.formula and self.formula[-1] == "=":
+            return ""
+        typed = tuple(self.formula)
+        for solution in self._solutions():
+            if solution[: len(typed)] == typed:
+                return solution[len(typed)] if len(solution) > len(typed) else "="
+        return ""
+
+    def _state(self) -> GameState:
+        formula = " ".join(self.formula) if self.formula else "(empty)"
+        return GameState(
+            observation=f"Cards: {', '.join(self.cards)}. Formula so far: {formula}",
+            task=(
+                f"Write a formula that uses the value of each card exactly once and equals {self.target}, "
+                f"one token per step; finish it with '='. A counts 1, J, Q and K count 10. "
+                f"Tokens: {' '.join(self.actions)}."
+            ),
+            admissible_actions=self.actions,
+            expert_action=self.expert_action() if self.expert else "",
+        )
+
+
+class EZPointsGame(FormulaGame):
+    """Two cards, ``+`` and ``*``, target 12."""
+
+    def __init__(self, solvable_only: bool = True, expert: bool = True):
+        super().__init__(2, 12, ("+", "*"), solvable_only, expert)
+
+
+class Points24Game(FormulaGame):
+    """Four cards, ``+ - * / ( )``, target 24."""
+
+    def __init__(self, solvable_only: bool = True, expert: bool = True):
+        super().__init__(4, 24, ("+", "-", "*", "/", "(", ")"), solvable_only, expert)
+
+
+# ---------------------------------------------------------------------------------------- blackjack
+def hand_value(values: list[int]) -> tuple[int, bool]:
+    """``(total, usable ace)``: an ace counts 11 when that does not bust."""
+    total = sum(values)
+    if 1 in values and total + 10 <= 21:
+        return total + 10, True
+    return total, False
+
+
+def basic_strategy(player: list[int], dealer_card: int) -> str:
+    """Hit or stand by the basic strategy without doubling or splitting (dealer ace = 1 here)."""
+    total, soft = hand_value(player)
+    dealer = 11 if dealer_card == 1 else dealer_card
+    if soft:
+        if total >= 19 or (total == 18 and dealer <= 8):
+            return "stand"
+        return "hit"
+    if total >= 17 or (13 <= total <= 16 and 2 <= dealer <= 6) or (total == 12 and 4 <= dealer <= 6):
+        return "stand"
+    return "hit"
+
+
+class BlackjackGame(TextGame):
+    """One Blackjack hand against a dealer who draws to 17 (infinite deck)."""
+
+    ACTIONS = ("stand", "hit")
+    TASK = (
+        "Play one hand of Blackjack against the dealer. Get closer to 21 than the dealer without going over. "
+        "'hit' draws a card, 'stand' ends your turn; the dealer then draws until reaching 17 or more. "
+        "Number cards count their value, J, Q and K count 10, an ace counts 11 unless that makes you go over 21."
+    )
+
+    def __init__(self, expert: bool = True):
+        self.expert = expert
+        self.rng = np.random.default_rng(0)
+        self.player: list[str] = []
+        self.dealer: list[str] = []
+        self.finished, self.outcome = False, ""
+
+    def _draw(self) -> str:
+        return RANKS[int(self.rng.integers(13))]
+
+    @staticmethod
+    def _values(cards: list[str]) -> list[int]:
+        return [card_value(c) for c in cards]
+
+    def reset(self, seed: int) -> GameState:
+        self.rng = np.random.default_rng(seed)
+        self.player = [self._draw(), self._draw()]
+        self.dealer = [self._draw(), self._draw()]
+        self.finished, self.outcome = False, ""
+        return self._state()
+
+    def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        move = action.strip().lower() if isinstance(action, str) else ""
+        if self.finished or move not in self.ACTIONS:
+            return self._state(), 0.0, self.finished, self.outcome == "win"
+        if move == "hit":
+            self.player.append(self._draw())
+            if hand_value(self._values(self.player))[0] > 21:
+                self.finished, self.outcome = True, "bust"
+            return self._state(), 0.0, self.finished, False
+        while hand_value(self._values(self.dealer))[0] < 17:
+            self.dealer.append(self._draw())
+        mine, theirs = hand_value(self._values(self.player))[0], hand_value(self._values(self.dealer))[0]
+        self.outcome = "win" if theirs > 21 or mine > theirs else "draw" if mine == theirs else "lose"
+        self.finished = True
+        won = self.outcome == "win"
+        return self._state(), float(won), True, won
+
+    def _state(self) -> GameState:
+        total = hand_value(self._values(self.player))[0]
+        text = f"Your cards: {', '.join(self.player)} (total {total}). "
+        if self.finished and self.outcome != "bust":
+            dealer_total = hand_value(self._values(self.dealer))[0]
+            text += f"Dealer's cards: {', '.join(self.dealer)} (total {dealer_total}). "
+        else:
+            text += f"Dealer shows: {self.dealer[0]}. "
+        if self.finished:
+            text += {"bust": "You went over 21: you lose.", "win": "You win.", "draw": "It is a draw.",
+                     "lose": "You lose."}[self.outcome]
+        expert = ""
+        if self.expert and not self.finished:
+            expert = basic_strategy(self._values(self.player), card_value(self.dealer[0]))
+        return GameState(observation=text.strip(), task=self.TASK, admissible_actions=self.ACTIONS,
+                         expert_action=expert)
+
+
+# ---------------------------------------------------------------------------------------- envs
+class EZPointsEnv(TextEnv):
+    """A batch of EZPoints games (8 steps). See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
+
+    def __init__(self, *, solvable_only: bool = True, expert: bool = True, max_steps: int = 8, **kwargs):
+        super().__init__(lambda: EZPointsGame(solvable_only, expert), max_steps=max_steps, **kwargs)
+
+
+class Points24Env(TextEnv):
+    """A batch of Points24 games (20 steps). See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
+
+    def __init__(self, *, solvable_only: bool = True, expert: bool = True, max_steps: int = 20, **kwargs):
+        super().__init__(lambda: Points24Game(solvable_only, expert), max_steps=max_steps, **kwargs)
+
+
+class BlackjackEnv(TextEnv):
+    """A batch of Blackjack hands (15 steps). See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
+
+    def __init__(self, *, expert: bool = True, max_steps: int = 15, **kwargs):
+        super().__init__(lambda: BlackjackGame(expert), max_steps=max_steps, **kwargs)
