@@ -10,7 +10,8 @@ sizes) except what cannot fit 2 CPU cores:
   supports) in float32 (the recipes' bfloat16 is GPU compute: float32 keeps the engine/trainer
   log-prob comparison at float32 precision);
 - the sizes: ``env.num_groups=2``, ``env.group_size=2``, ``env.eval_episodes=2``, at most 3 steps
-  per episode, 16 new tokens per response.
+  per episode, 16 new tokens per response, micro-batches of at most 2,048 padded tokens (the
+  recipes' 16,384 took 7.5 GB per rank with SmolLM2 and was killed for memory on a 24 GB machine).
 
 Per recipe: ``completed`` (exit 0 and both iterations logged), ``iteration_s`` (mean of the 2
 iterations, each with its collection, update and weight sync; iteration 0 also evaluates),
@@ -44,7 +45,7 @@ GPU_RECIPES = ("alfworld_gigpo", "alfworld_gigpo_7b", "alfworld_grpo", "webshop_
 #: What every rehearsal changes (the rest is the recipe's).
 CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",
         "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=3",
-        "rollout.max_new_tokens=16", "progress=false", "threads=1", "checkpoint_every=0"]
+        "rollout.max_new_tokens=16", "algorithm.micro_batch_tokens=2048", "progress=false", "threads=1", "checkpoint_every=0"]
 
 
 def _tree_rss(proc: psutil.Process) -> int:
