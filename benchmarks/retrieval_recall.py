@@ -16,8 +16,7 @@ import argparse
 import json
 import time
 
-from torchrl_agent.envs.retrievers import DenseRetriever
-from torchrl_agent.envs.search import BM25Retriever, load_fanoutqa_questions, load_wiki_corpus
+from torchrl_agent.envs.search import BM25Retriever, DenseRetriever, load_fanoutqa_questions, load_wiki_corpus
 
 
 def recall(retriever, questions, k: int) -> tuple[float, float]:

@@ -123,7 +123,7 @@ def old_update(trainer, rows) -> dict:
     import torch
     from tensordict import TensorDict
 
-    from torchrl_agent.trainers.trainer import _pad
+    from torchrl_agent.trainers.batching import pad_ragged
 
     FullVocabularyLogProbs = _full_vocabulary_log_probs()
     pad, temperature = trainer.tokenizer.pad_token_id, trainer.actor.temperature
@@ -143,10 +143,10 @@ def old_update(trainer, rows) -> dict:
     mb = FullVocabularyLogProbs(trainer.model, pad, temperature=temperature)(rows[idx])
     width = mb["log_prob"].shape[-1]
     batch = TensorDict({"log_prob": mb["log_prob"], "entropy": mb["entropy"], "mask": mb["mask"],
-                        "old_log_prob": _pad([old[i] for i in idx], width),
+                        "old_log_prob": pad_ragged([old[i] for i in idx], width),
                         "advantage": rows["advantage"].reshape(-1).float()}, batch_size=[len(idx)])
     if ref is not None:
-        batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
+        batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width)
     losses = trainer.loss(batch)
     total = sum(v for k, v in losses.items() if k.startswith("loss_"))
     trainer.optimizer.zero_grad(set_to_none=True)

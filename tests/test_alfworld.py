@@ -141,7 +141,7 @@ GEN_SEED = 0
 
 @pytest.fixture(scope="module")
 def generated_root(tmp_path_factory):
-    from torchrl_agent.envs.alfworld_gen import generate_games
+    from torchrl_agent.envs.alfworld.generator import generate_games
 
     root = tmp_path_factory.mktemp("alfworld_gen")
     generate_games(root, split="train", games_per_type=1, seed=GEN_SEED)
@@ -218,7 +218,7 @@ def test_generated_games_are_won_by_the_expert_through_the_env(generated_root):
 def test_generator_writes_an_in_distribution_valid_seen_split(tmp_path):
     import alfworld.gen.constants as constants
 
-    from torchrl_agent.envs.alfworld_gen import generated_data_dir
+    from torchrl_agent.envs.alfworld.generator import generated_data_dir
 
     kwargs = dict(task_types=["pick_and_place_simple"], cache_dir=tmp_path)
     train = ALFWorldEnv(expert=False, generated_games_per_type=1, **kwargs)
@@ -236,7 +236,7 @@ def test_generator_writes_an_in_distribution_valid_seen_split(tmp_path):
 
 
 def test_generator_is_deterministic_and_cached(tmp_path):
-    from torchrl_agent.envs.alfworld_gen import generated_data_dir, make_game, scene
+    from torchrl_agent.envs.alfworld.generator import generated_data_dir, make_game, scene
 
     assert scene(14) == scene(14)
     a, b = make_game(14, "pick_heat_then_place_in_recep", seed=5), make_game(14, "pick_heat_then_place_in_recep", seed=5)

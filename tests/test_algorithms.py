@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchrl_agent.trainers.algorithm import ALGORITHMS
+from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.cli import compose_config, config_dir, main
 
 TINY = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
@@ -19,7 +19,9 @@ CONFIGS = sorted(p.stem for p in (config_dir() / "algorithm").glob("*.yaml"))
 
 def test_every_algorithm_has_a_config():
     names = {compose_config(["experiment=smoke", f"algorithm={c}"]).algorithm.name for c in CONFIGS}
-    assert names == set(ALGORITHMS)
+    builtin = {name for name, algorithm in ALGORITHM_REGISTRY.items()
+               if (algorithm.advantage or algorithm.critic).__module__.startswith("torchrl_agent.")}
+    assert names == builtin and len(builtin) == 10
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -43,7 +45,7 @@ def test_algorithm_trains_two_iterations_from_its_config(config, tmp_path):
     if cfg.algorithm.dynamic_sampling:
         assert all(1 <= r["sampling_tries"] <= 3 for r in records)
     if cfg.algorithm.name == "remax":  # the greedy baseline episodes started from the batch's states
-        assert trainer.hooks.remax.env.base_env.group_seeds == trainer.env.base_env.group_seeds
+        assert trainer.hooks.baseline.env.base_env.group_seeds == trainer.env.base_env.group_seeds
     if cfg.algorithm.kl_coef > 0:
         assert all("loss_kl" in r for r in records)
 
@@ -69,7 +71,7 @@ def test_unknown_algorithm_lists_the_valid_ones(tmp_path, capsys):
     assert "magic" in err and all(name in err for name in ("grpo", "gigpo", "ppo", "dapo", "gspo"))
     assert main(["train", "experiment=smoke", "algorithm.name=magic", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
-    assert "algorithm.name" in err and all(name in err for name in ALGORITHMS)
+    assert "algorithm.name" in err and all(name in err for name in ALGORITHM_REGISTRY)
     assert main(["train", "experiment=smoke", "algorithm.kl_type=k9", f"run_dir={tmp_path}"]) == 2
     assert "algorithm.kl_type" in capsys.readouterr().err
     assert not list(Path(tmp_path).glob("*.jsonl"))
@@ -89,3 +91,18 @@ def test_algorithm_state_round_trips(tmp_path):
     assert fresh.hooks.kl_ctrl.value == trainer.hooks.kl_ctrl.value != cfg.algorithm.kl_reward_coef
     for a, b in zip(fresh.hooks.critic.model.parameters(), trainer.hooks.critic.model.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["algorithm.similarity_threshold=0"], "algorithm.similarity_threshold=0.0: must be in (0, 1]"),
+    (["algorithm.value_clip=0"], "algorithm.value_clip=0.0: must be > 0"),
+    (["algorithm.lmbda=1.5"], "algorithm.lmbda=1.5: must be in [0, 1]"),
+    (["algorithm.aggregation=sum"], "algorithm.aggregation='sum': must be one of token-mean"),
+    (["memory.kind=everything"], "memory.kind='everything': must be one of window"),
+    (["algorithm=grpo_passk", "env.group_size=1"], "env.group_size=1: must be >= 2 for algorithm.name=grpo_passk"),
+    (["algorithm=remax", "algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling is not supported"),
+])
+def test_the_algorithm_section_is_validated_at_start_naming_the_key(overrides, needle, tmp_path, capsys):
+    assert main(["train", "experiment=smoke", *overrides, f"run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid config" in err and needle in err, err

@@ -7,8 +7,8 @@ import json
 import pytest
 from torchrl.envs.utils import check_env_specs
 
-from torchrl_agent.envs import appworld, make_env
-from torchrl_agent.envs.appworld import AppWorldEnv, appworld_python, load_project_tasks, parse_code
+from torchrl_agent.envs import make_env
+from torchrl_agent.envs.appworld import AppWorldEnv, appworld_python, client, load_project_tasks, parse_code
 
 LOGIN = ("pw = {a['account_name']: a['password'] for a in apis.supervisor.show_account_passwords()}\n"
          "me = apis.supervisor.show_profile()['email']\n"
@@ -94,7 +94,7 @@ def test_project_tasks_and_splits():
 
 def test_missing_appworld_python_is_named(monkeypatch, tmp_path):
     monkeypatch.delenv("TORCHRL_AGENT_APPWORLD_PYTHON", raising=False)
-    monkeypatch.setattr(appworld, "DEFAULT_PYTHON", tmp_path / "python")
+    monkeypatch.setattr(client, "DEFAULT_PYTHON", tmp_path / "python")
     with pytest.raises(FileNotFoundError, match="make appworld"):
         appworld_python()
     with pytest.raises(FileNotFoundError, match="/nonexistent/python"):

@@ -13,8 +13,15 @@ from torchrl.envs.utils import check_env_specs
 
 from torchrl_agent.collectors.step_collector import _per_task_success
 from torchrl_agent.envs import make_env
-from torchrl_agent.envs.retrievers import DenseRetriever, default_dense_model_path, load_searchr1_questions
-from torchrl_agent.envs.search import Corpus, SearchEnv, load_fanoutqa_questions, load_wiki_corpus
+from torchrl_agent.envs.search import (
+    Corpus,
+    DenseRetriever,
+    SearchEnv,
+    default_dense_model_path,
+    load_fanoutqa_questions,
+    load_searchr1_questions,
+    load_wiki_corpus,
+)
 
 TITLES = ["Ulaanbaatar", "Mongolia", "Wright brothers", "Airplane", "Eiffel Tower", "Gustave Eiffel",
           "Mount Everest", "Photosynthesis", "Volcano", "Jazz", "Chess", "Penicillin"]
@@ -118,7 +125,7 @@ def test_searchr1_jsonl_and_parquet(tmp_path):
     assert [q.question for q in load_searchr1_questions(parquet)] == [q.question for q in questions[:2]]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "golden_answers": ["a"]}\nnot json\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match="bad.jsonl: line 2 is not valid JSON"):
         load_searchr1_questions(bad)
     with pytest.raises(ValueError, match="no usable question"):
         (tmp_path / "empty.jsonl").write_text('{"question": ""}\n')

@@ -11,7 +11,8 @@ import torch
 from torchrl.envs.utils import check_env_specs
 
 from torchrl_agent.envs import TextEnv, make_env
-from torchrl_agent.envs.gym_cards import (
+from torchrl_agent.envs.games.babyai import BabyAIGame, parse_babyai_action, render_babyai
+from torchrl_agent.envs.games.gym_cards import (
     BlackjackGame,
     EZPointsGame,
     Points24Game,
@@ -20,9 +21,9 @@ from torchrl_agent.envs.gym_cards import (
     hand_value,
     solutions,
 )
-from torchrl_agent.envs.gymnasium_adapter import BabyAIGame, GymnasiumTextGame, parse_babyai_action, render_babyai
-from torchrl_agent.envs.numberline import NumberLineGame
-from torchrl_agent.envs.sokoban import SokobanGame, generate_room, render_room, solve
+from torchrl_agent.envs.games.gymnasium_adapter import GymnasiumTextGame
+from torchrl_agent.envs.games.numberline import NumberLineGame
+from torchrl_agent.envs.games.sokoban import SokobanGame, generate_room, render_room, solve
 
 ENVS = ["numberline", "ezpoints", "points24", "blackjack", "sokoban", "babyai", "webshop"]
 
@@ -426,7 +427,7 @@ def test_babyai_distance_shaping_telescopes_to_the_start_distance():
     """``shaping="distance"``: over any episode that reaches the goal the shaping terms add up to
     the start's BFS distance (a potential difference); the bot never beats that distance; a turn and
     the turn back cancel out; an invalid answer costs ``invalid_reward``; a non-GoTo level is refused."""
-    from torchrl_agent.envs.gymnasium_adapter import goto_distance
+    from torchrl_agent.envs.games.babyai import goto_distance
 
     game = BabyAIGame("BabyAI-GoToObj-v0", shaping="distance", invalid_reward=-1.0)
     plain = BabyAIGame("BabyAI-GoToObj-v0")

@@ -38,7 +38,6 @@ from torchrl_agent.objectives import (
     informative_group_mask,
     kl_estimate,
     kl_in_reward,
-    reinforce_pp_advantage,
     reinforce_pp_baseline_advantage,
     remax_advantage,
     rloo_advantage,
@@ -157,9 +156,9 @@ def test_rloo_by_hand():
     torch.testing.assert_close(out, t([3.0, -1.5, -1.5]))
 
 
-def test_reinforce_pp_by_hand():
+def test_reinforce_pp_baseline_by_hand():
     # groups {0: [2, 0]}, {1: [5, 5]} -> centred [1, -1, 0, 0] -> whitened over the batch
-    out = reinforce_pp_advantage(t([2.0, 0.0, 5.0, 5.0]), ids([0, 0, 1, 1]), ids([0, 1, 2, 3]))
+    out = reinforce_pp_baseline_advantage(t([2.0, 0.0, 5.0, 5.0]), ids([0, 0, 1, 1]), ids([0, 1, 2, 3]))
     var = 2 / 3  # the reference: (x - mean) * rsqrt(var + 1e-8)
     torch.testing.assert_close(out, t([1 / math.sqrt(var + 1e-8), -1 / math.sqrt(var + 1e-8), 0.0, 0.0]))
 
@@ -174,7 +173,7 @@ def test_all_equal_float32_gives_exact_zero(value):
     naive = (x - x.mean()) / (x.std() + EPS)
     if value != 0.7:
         assert naive.abs().max() > 1e-3
-    for fn in (grpo_advantage, rloo_advantage, reinforce_pp_advantage):
+    for fn in (grpo_advantage, rloo_advantage, reinforce_pp_baseline_advantage):
         out = fn(reward, group, traj)
         assert out.dtype == torch.float32
         assert torch.equal(out, torch.zeros(n)), fn.__name__
@@ -344,7 +343,7 @@ def test_advantage_modules_match_functional():
         (GiGPOAdvantage(gamma=0.9, norm="mean"), gigpo_advantage(r, g, tr, s, a, v, gamma=0.9, norm="mean")),
         (GRPOAdvantage(), grpo_advantage(r, g, tr, v)),
         (RLOOAdvantage(invalid_penalty=0.5), rloo_advantage(r, g, tr, v, invalid_penalty=0.5)),
-        (ReinforcePlusPlusBaselineAdvantage(), reinforce_pp_advantage(r, g, tr, v)),
+        (ReinforcePlusPlusBaselineAdvantage(), reinforce_pp_baseline_advantage(r, g, tr, v)),
         (GRPOPassKAdvantage(), grpo_passk_advantage(r, g, tr, v)),
     ]
     for module, expected in cases:
@@ -553,14 +552,18 @@ def test_ppo_loss_value_clip():
                     state_value=value, old_state_value=torch.zeros(n, tt), score=t([0.2], torch.float32),
                     batch_size=[n])
     out = PPOLoss(entropy_coef=0)(td)
-    # returns = 0.2; unclipped (1 - 0.2)^2 = 0.64, clipped (0.5 - 0.2)^2 = 0.09 -> max 0.64 -> 0.5 * 0.64
-    assert out["loss_critic"].item() == pytest.approx(0.32)
+    # returns = 0.2; unclipped (1 - 0.2)^2 = 0.64, clipped (0.5 - 0.2)^2 = 0.09 -> max 0.64
+    assert out["loss_critic"].item() == pytest.approx(0.64)
     assert out["value_clip_fraction"].item() == 0.0
     td["state_value"] = t([[-1.0, 0.0]], torch.float32)  # clipped -0.5: (-0.7)^2 > (-1.2)^2? no -> 1.44
-    assert PPOLoss()(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.5 * 1.44)
+    assert PPOLoss()(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(1.44)
     td["state_value"] = t([[0.6, 0.0]], torch.float32)  # unclipped 0.16, clipped 0.5 -> 0.09: keep 0.16
-    assert PPOLoss()(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.08)
-    assert PPOLoss(value_clip=None)(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.08)
+    assert PPOLoss()(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.16)
+    assert PPOLoss(value_clip=None)(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.16)
+    assert PPOLoss(critic_coef=2.0)(td.exclude("value_target"))["loss_critic"].item() == pytest.approx(0.32)
+    # critic_coef=None (a critic trained apart, as the trainer's): the policy terms only
+    policy_only = PPOLoss(critic_coef=None)(td.set("advantage", torch.ones(n, tt)))
+    assert "loss_critic" not in policy_only.keys() and "loss_objective" in policy_only.keys()
 
 
 def test_ppo_compute_advantage_writes_keys():
@@ -570,6 +573,14 @@ def test_ppo_compute_advantage_writes_keys():
     PPOLoss().compute_advantage(td)
     assert td["advantage"].shape == (2, 2) and td["value_target"].shape == (2, 2)
     torch.testing.assert_close(td["value_target"], t([[1.0, 1.0], [0.0, 0.0]], torch.float32))
+    # a per-token reward (KL in the reward) enters GAE as token_gae's token_rewards
+    kl_reward = t([[-0.1, -0.2], [-0.3, 0.0]], torch.float32)
+    PPOLoss(gamma=0.9, lmbda=0.8).compute_advantage(td.set("token_reward", kl_reward))
+    adv, ret = token_gae(td["old_state_value"], td["mask"], td["score"], gamma=0.9, lmbda=0.8, token_rewards=kl_reward)
+    torch.testing.assert_close(td["advantage"], adv)
+    torch.testing.assert_close(td["value_target"], ret)
+    _, ret_without = token_gae(td["old_state_value"], td["mask"], td["score"], gamma=0.9, lmbda=0.8)
+    assert not torch.allclose(ret, ret_without)
 
 
 # --------------------------------------------------------------------------- DAPO

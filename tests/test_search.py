@@ -21,7 +21,6 @@ from torchrl_agent.envs.search import (
     HttpRetriever,
     SearchEnv,
     SearchQuestion,
-    _default_bm25,
     exact_match,
     format_passages,
     load_fanoutqa_questions,
@@ -31,6 +30,7 @@ from torchrl_agent.envs.search import (
     parse_action,
     split_questions,
 )
+from torchrl_agent.envs.search.env import _default_bm25
 
 
 @pytest.fixture(scope="session")

@@ -11,15 +11,15 @@ import torch
 from torchrl.envs.utils import check_env_specs
 
 from torchrl_agent.envs import make_env
-from torchrl_agent.envs.retrievers import LuceneBM25, lucene_tokenize
+from torchrl_agent.envs.bm25 import LuceneBM25, lucene_tokenize
 from torchrl_agent.envs.webshop import (
     SHIPPED_DATA_DIR,
     WebShopEnv,
-    _parse_pricing,
     load_catalogue,
     parse_webshop_action,
     webshop_score,
 )
+from torchrl_agent.envs.webshop.catalogue import _parse_pricing
 
 GARBAGE = ["", "x" * 20_000, "\x00\x01\x7f\x1b[31m\r\n\t", "\ud800 lone \udfff", "click[]", "click[nothing here]",
            "search[]", "buy now", "click[search]", "[[[]]]"]

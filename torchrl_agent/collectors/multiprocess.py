@@ -53,6 +53,7 @@ from torchrl_agent.modules.policy import Generation, LLMPolicy
 __all__ = ["MultiProcessStepCollector", "EngineClient", "TextEnvFactory"]
 
 _POLL_S = 1.0
+_BEAT_S = 0.5  # a child process's heartbeat period
 
 
 def _get_while_parent_lives(q, parent: int):
@@ -63,6 +64,32 @@ def _get_while_parent_lives(q, parent: int):
         except queue.Empty:
             if os.getppid() != parent:
                 raise SystemExit(0) from None
+
+
+def _start_heartbeat(beats, slot: int, parent: int) -> None:
+    """In a child process: die with the parent (:func:`~torchrl_agent.envs.workers.die_with_parent`)
+    and write the time into ``beats[slot]`` every ``_BEAT_S`` seconds from a daemon thread. A process
+    that is stopped (SIGSTOP) or frozen stops beating; the coordinator notices (``heartbeat_timeout``)."""
+    from torchrl_agent.envs.workers import die_with_parent
+
+    die_with_parent(parent)
+
+    def beat():
+        while True:
+            beats[slot] = time.time()
+            time.sleep(_BEAT_S)
+
+    beats[slot] = time.time()
+    threading.Thread(target=beat, name="torchrl_agent-heartbeat", daemon=True).start()
+
+
+def _process_state(pid: int | None) -> str:
+    """``" (stopped)"`` when process ``pid`` is stopped (SIGSTOP, ``/proc/PID/stat`` state T), else ``""``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return " (stopped: SIGSTOP?)" if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t") else ""
+    except (OSError, IndexError, TypeError):
+        return ""
 
 
 class EngineClient(LLMPolicy):
@@ -92,9 +119,11 @@ class EngineClient(LLMPolicy):
                 for p, (too_long, response, log_probs, cached) in zip(ids, results)]
 
 
-def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: int = 1) -> None:
+def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: int = 1, beats=None) -> None:
     """The engine server: admit requests as they come, step the engine, answer finished calls."""
     parent = os.getppid()
+    if beats is not None:
+        _start_heartbeat(beats, 0, parent)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # before the engine's OpenMP runtime starts
     torch.set_num_threads(threads)
     try:
@@ -184,7 +213,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
 
 def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], groups_total: int, seed: int,
                     client_kwargs: dict, requests, responses: list, commands, data,
-                    total_batches: int | None = None) -> None:
+                    total_batches: int | None = None, beats=None) -> None:
     """A collector process: one :class:`CollectorShard` per ``(shard, groups, first group)`` of ``shards``,
     each stepped by a thread of its own, all driven by the main process's commands.
 
@@ -193,6 +222,8 @@ def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], 
     the generation of one shard overlaps the game stepping of the other (with one shard per
     process, a process would sit idle for the whole generation of every step)."""
     parent, built = os.getppid(), []
+    if beats is not None:
+        _start_heartbeat(beats, 1 + rank, parent)
     try:
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
@@ -311,6 +342,11 @@ class MultiProcessStepCollector(ShardedCollector):
         seed, total_frames, total_batches, replay_buffer, postproc: as for :class:`StepCollector`.
         max_batches_ahead: batches a shard may collect beyond the one being consumed (0: on-policy).
         start_timeout: seconds to wait for the processes to start.
+        heartbeat_timeout: seconds without a heartbeat (every 0.5 s, from a thread of each process)
+            after which a process counts as hung (stopped by SIGSTOP, frozen): the collector raises,
+            naming it, and shuts its processes down. A process that exits is noticed within a
+            second, with its exit code. Either way the collector stops with ``RuntimeError`` (the
+            trainer's run stops with a message, ``resume=auto`` continues it); it never hangs.
         engine_threads: torch/OpenMP threads of the engine server (default 1: the collector processes
             step their games on the other cores, and a small model's engine step does not get faster
             with more threads; measured in ``benchmarks/collector_throughput.py``).
@@ -328,7 +364,10 @@ class MultiProcessStepCollector(ShardedCollector):
     def __init__(self, env_factory: Callable[[int], EnvBase], engine: dict, *, num_groups: int,
                  num_collectors: int = 2, seed: int = 0, total_frames: int = -1, total_batches: int | None = None,
                  replay_buffer=None, postproc=None, max_batches_ahead: int = 0, start_timeout: float = 600.0,
-                 engine_threads: int = 1, shards_per_collector: int = 1):
+                 engine_threads: int = 1, shards_per_collector: int = 1, heartbeat_timeout: float = 60.0):
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0, got {heartbeat_timeout}")
+        self.heartbeat_timeout = float(heartbeat_timeout)
         if engine_threads < 1:
             raise ValueError(f"engine_threads must be >= 1, got {engine_threads}")
         if shards_per_collector < 1:
@@ -351,8 +390,11 @@ class MultiProcessStepCollector(ShardedCollector):
         self._requests, self._acks, self._data = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self._responses = [ctx.Queue() for _ in self.shards]  # one per shard (its engine client)
         self._commands = [ctx.Queue() for _ in range(k)]
+        # one heartbeat slot per process (0: the engine server, 1 + r: collector process r), see _wait
+        self._beats = ctx.Array("d", [time.time()] * (k + 1), lock=False)
         self._engine = ctx.Process(target=_engine_main, name="torchrl_agent-engine", daemon=True,
-                                   args=(engine, self._requests, self._responses, self._acks, self.engine_threads))
+                                   args=(engine, self._requests, self._responses, self._acks, self.engine_threads,
+                                         self._beats))
         self._engine.start()
         client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
                   "temperature": engine.get("temperature", 1.0)}
@@ -362,7 +404,7 @@ class MultiProcessStepCollector(ShardedCollector):
         self._workers = [ctx.Process(target=_collector_main, name=f"torchrl_agent-collector-{r}", daemon=True,
                                      args=(r, env_factory, owned[r], self.num_groups, self.seed, dict(client),
                                            self._requests, self._responses, self._commands[r], self._data,
-                                           self.total_batches))
+                                           self.total_batches, self._beats))
                          for r in range(k)]
         for w in self._workers:
             w.start()
@@ -380,17 +422,33 @@ class MultiProcessStepCollector(ShardedCollector):
             raise
 
     def _wait(self, q, what: str, timeout: float | None = None):
-        """``q.get()``, raising if a process died meanwhile (or after ``timeout`` seconds)."""
+        """``q.get()``, raising within about a second when a process died (named, with its exit code),
+        after ``heartbeat_timeout`` s without a heartbeat from a process (stopped by SIGSTOP, frozen),
+        or after ``timeout`` seconds."""
         t0 = time.monotonic()
         while True:
             try:
                 return q.get(timeout=_POLL_S)
             except queue.Empty:
-                dead = [p.name for p in [self._engine, *self._workers] if not p.is_alive()]
-                if dead:
-                    raise RuntimeError(f"waiting for {what}: process(es) {dead} exited") from None
+                self._check_processes(what)
                 if timeout is not None and time.monotonic() - t0 > timeout:
                     raise TimeoutError(f"waiting for {what}: no answer in {timeout:.0f} s") from None
+
+    def _check_processes(self, what: str) -> None:
+        """Raise ``RuntimeError`` naming every process that exited (and its exit code) or whose
+        heartbeat is older than ``heartbeat_timeout`` seconds; the collector cannot go on."""
+        procs = [self._engine, *self._workers]
+        dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
+                               "stops (its processes are shut down)") from None
+        now = time.time()
+        silent = [f"{p.name} (pid {p.pid}{_process_state(p.pid)}, silent for {now - self._beats[i]:.0f} s)"
+                  for i, p in enumerate(procs) if now - self._beats[i] > self.heartbeat_timeout]
+        if silent:
+            raise RuntimeError(f"waiting for {what}: no heartbeat from {', '.join(silent)} within "
+                               f"heartbeat_timeout={self.heartbeat_timeout:g} s; the collector stops (its processes "
+                               "are shut down)") from None
 
     def _send(self, command: tuple) -> None:
         for commands in self._commands:
@@ -434,11 +492,16 @@ class MultiProcessStepCollector(ShardedCollector):
                 commands.put(("stop",))
         if self._engine.is_alive():
             self._requests.put(("stop",))
-        deadline = time.monotonic() + (timeout or 30.0)
+        # a fault (a process died or went silent): the others cannot finish their calls, do not wait for them
+        now = time.time()
+        beats = getattr(self, "_beats", None)
+        faulted = any(not p.is_alive() for p in [*self._workers, self._engine]) or (
+            beats is not None and any(now - b > self.heartbeat_timeout for b in beats))
+        deadline = time.monotonic() + (timeout or (2.0 if faulted else 30.0))
         for p in [*self._workers, self._engine]:
             p.join(max(0.1, deadline - time.monotonic()))
             if p.is_alive():
-                p.kill()
+                p.kill()  # SIGKILL ends a stopped process too
                 p.join(5)
         for q in [self._requests, self._acks, self._data, *self._responses, *self._commands]:
             q.cancel_join_thread()

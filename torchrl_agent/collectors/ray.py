@@ -30,6 +30,7 @@ project's ``EngineReloadScheme`` for the weights.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -125,6 +126,10 @@ class _ShardActor(CollectorShard):
     def ready(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        """The actor's process id (named when it dies; for monitoring and fault tests)."""
+        return os.getpid()
+
 
 class _ActorsTransport:
     """TorchRL ``TransportBackend``: the weights go once into Ray's object store; every actor loads
@@ -206,6 +211,7 @@ class RayStepCollector(ShardedCollector):
             self._actors = [actor_class.remote(env_factory, policy_factory, groups, offset, num_groups, seed, threads)
                             for groups, offset in self.shards]
             self._get([a.ready.remote() for a in self._actors], "the actors to start", start_timeout)
+            self._pids = self._get([a.pid.remote() for a in self._actors], "the actors' process ids")
         except BaseException:
             self.shutdown()
             raise
@@ -213,14 +219,19 @@ class RayStepCollector(ShardedCollector):
 
     # ------------------------------------------------------------------ the actors
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
-        """``ray.get(refs)``, naming the actor that failed."""
+        """``ray.get(refs)`` (one ref per actor, in order), naming the actor that failed: an actor
+        that died (killed, out of memory, its node lost) is reported as soon as Ray knows, with its
+        pid; the collector cannot go on (a training run stops with a message, ``resume=auto``
+        continues it)."""
         try:
             return ray.get(refs, timeout=timeout)
         except GetTimeoutError:
             raise TimeoutError(f"waiting for {what}: no answer in {timeout:.0f} s") from None
         except (RayActorError, RayTaskError) as err:
             rank = next((r for r, ref in enumerate(refs) if _failed(ref)), "?")
-            raise RuntimeError(f"waiting for {what}: collector actor {rank} failed:\n{err}") from err
+            pids = getattr(self, "_pids", [])
+            pid = f" (pid {pids[rank]})" if isinstance(rank, int) and rank < len(pids) else ""
+            raise RuntimeError(f"waiting for {what}: collector actor {rank}{pid} failed:\n{err}") from err
 
     def _send(self, command: tuple) -> None:
         kind = command[0]

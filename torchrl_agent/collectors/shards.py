@@ -309,7 +309,7 @@ class TextEnvFactory:
 @dataclass
 class ConfigEnvFactory:
     """A picklable ``env_factory`` from a training config: the trainer's own environment
-    (:func:`~torchrl_agent.trainers.trainer.build_env`: memory, prompt budget, template, projection
+    (:func:`~torchrl_agent.envs.factory.build_env`: memory, prompt budget, template, projection
     of ``cfg``) with ``num_groups`` groups.
 
     Args:
@@ -326,8 +326,8 @@ class ConfigEnvFactory:
     def __call__(self, num_groups: int) -> EnvBase:
         from transformers import AutoTokenizer
 
+        from torchrl_agent.envs.factory import build_env
         from torchrl_agent.models import model_path
-        from torchrl_agent.trainers.trainer import build_env
 
         cfg = copy.deepcopy(self.cfg)
         cfg.env.num_groups = num_groups

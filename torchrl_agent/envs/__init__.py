@@ -7,34 +7,12 @@
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Callable
-
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame, stable_hash
-from torchrl_agent.envs.numberline import NumberLineEnv, NumberLineGame
+from torchrl_agent.envs.games.numberline import NumberLineEnv, NumberLineGame
+from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor, register_env
 
 __all__ = ["ENV_REGISTRY", "GameState", "NumberLineEnv", "NumberLineGame", "TextEnv", "TextGame",
            "make_env", "register_env", "stable_hash"]
-
-#: name -> a TextEnv subclass (or any callable taking TextEnv's keyword arguments), or its
-#: ``"module:attribute"`` path, imported on first use so optional dependencies stay optional.
-ENV_REGISTRY: dict[str, Callable[..., TextEnv] | str] = {
-    "numberline": NumberLineEnv,
-    "ezpoints": "torchrl_agent.envs.gym_cards:EZPointsEnv",
-    "points24": "torchrl_agent.envs.gym_cards:Points24Env",
-    "blackjack": "torchrl_agent.envs.gym_cards:BlackjackEnv",
-    "sokoban": "torchrl_agent.envs.sokoban:SokobanEnv",
-    "alfworld": "torchrl_agent.envs.alfworld:ALFWorldEnv",
-    "search": "torchrl_agent.envs.search:SearchEnv",
-    "babyai": "torchrl_agent.envs.gymnasium_adapter:BabyAIEnv",
-    "webshop": "torchrl_agent.envs.webshop:WebShopEnv",
-    "appworld": "torchrl_agent.envs.appworld:AppWorldEnv",
-}
-
-
-def register_env(name: str, constructor: Callable[..., TextEnv]) -> None:
-    """Make ``constructor`` available to :func:`make_env` (and the Hydra configs) as ``name``."""
-    ENV_REGISTRY[name] = constructor
 
 
 def make_env(
@@ -48,13 +26,9 @@ def make_env(
     """
     if name not in ENV_REGISTRY:
         raise KeyError(f"unknown environment {name!r}; known: {sorted(ENV_REGISTRY)}")
-    if num_workers:
+    if num_workers:  # the env's module is imported in the workers only
         from torchrl_agent.envs.workers import ParallelTextEnv
 
         return ParallelTextEnv(name, num_workers=num_workers, num_groups=num_groups, group_size=group_size,
                                seed=seed, **kwargs)
-    constructor = ENV_REGISTRY[name]
-    if isinstance(constructor, str):
-        module, attribute = constructor.split(":")
-        constructor = ENV_REGISTRY[name] = getattr(importlib.import_module(module), attribute)
-    return constructor(num_groups=num_groups, group_size=group_size, seed=seed, **kwargs)
+    return env_constructor(name)(num_groups=num_groups, group_size=group_size, seed=seed, **kwargs)

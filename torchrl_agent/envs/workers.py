@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -43,6 +44,8 @@ from torchrl.data import Categorical
 from torchrl.envs import EnvBase
 
 from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list
+from torchrl_agent.envs.data_files import DataFileError
+from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
 
 __all__ = ["ParallelTextEnv"]
 
@@ -51,18 +54,50 @@ logger = logging.getLogger(__name__)
 
 def _build_env(factory: str | Callable[..., TextEnv], num_games: int, env_kwargs: dict) -> TextEnv:
     if isinstance(factory, str):
-        from torchrl_agent.envs import make_env
-
-        return make_env(factory, num_groups=1, group_size=num_games, seed=0, num_workers=0, **env_kwargs)
+        factory = env_constructor(factory)
     return factory(num_groups=1, group_size=num_games, seed=0, **env_kwargs)
 
 
-def _worker_main(conn, factory, num_games: int, env_kwargs: dict) -> None:
+def die_with_parent(parent: int) -> None:
+    """In a child process: end when the process ``parent`` ends, however it ends (``kill -9``
+    included), so that no worker outlives its trainer. Linux: ``PR_SET_PDEATHSIG`` (the kernel sends
+    SIGKILL when the parent dies); elsewhere a daemon thread polls the parent pid. Ctrl-C is left to
+    the parent (SIGINT ignored here): it stops the run and closes its workers."""
+    import signal
+    import threading
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) == 0:  # PR_SET_PDEATHSIG = 1
+                if os.getppid() != parent:  # the parent died before the call
+                    os._exit(0)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="torchrl_agent-parent-watch", daemon=True).start()
+
+
+def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | None = None) -> None:
     """A worker's loop: build the games, then answer ``(command, [(local index, argument)])`` messages."""
+    if parent is not None:
+        die_with_parent(parent)
     try:
         env = _build_env(factory, num_games, env_kwargs)
         games = env.games
         conn.send(("ready", int(env.max_steps)))
+    except (DataFileError, FileNotFoundError) as err:  # a bad or missing data file: the parent raises it as is
+        conn.send(("error", traceback.format_exc(), err))
+        return
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -137,8 +172,6 @@ class ParallelTextEnv(TextEnv):
         if not (isinstance(env_name_or_factory, str) or callable(env_name_or_factory)):
             raise TypeError(f"env_name_or_factory must be an env name or a callable, got {env_name_or_factory!r}")
         if isinstance(env_name_or_factory, str):
-            from torchrl_agent.envs import ENV_REGISTRY
-
             if env_name_or_factory not in ENV_REGISTRY:
                 raise KeyError(f"unknown environment {env_name_or_factory!r}; known: {sorted(ENV_REGISTRY)}")
         if num_groups < 1 or group_size < 1:
@@ -195,7 +228,8 @@ class ParallelTextEnv(TextEnv):
         for w in workers:
             parent, child = self._ctx.Pipe()
             w.process = self._ctx.Process(
-                target=_worker_main, args=(child, self._factory, len(w.indices), self._env_kwargs), daemon=True
+                target=_worker_main, args=(child, self._factory, len(w.indices), self._env_kwargs, os.getpid()),
+                daemon=True,
             )
             w.process.start()
             child.close()
@@ -212,6 +246,8 @@ class ParallelTextEnv(TextEnv):
             if message is None or message[0] != "ready":
                 for other in workers:
                     other.kill()
+                if message is not None and len(message) > 2:
+                    raise message[2]  # its one-line message names the file (and the record and field)
                 reason = message[1] if message else "no answer (died or timed out)"
                 raise RuntimeError(f"worker {w.rank} of {self._factory!r} failed to start:\n{reason}")
             max_steps = message[1]

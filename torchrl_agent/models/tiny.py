@@ -98,7 +98,7 @@ def large_corpus() -> list[str]:
     BabyAI (``GoToObj``) and relative-offset NumberLine episodes (their observations and the
     expert's responses)."""
     from torchrl_agent.envs import make_env
-    from torchrl_agent.trainers.warm_start import expert_response
+    from torchrl_agent.envs.transforms.projection import expert_response
 
     texts = tiny_corpus(all_templates=True)
     for name, kwargs in (("sokoban", {}), ("ezpoints", {}), ("points24", {}),

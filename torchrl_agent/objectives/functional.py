@@ -32,7 +32,6 @@ __all__ = [
     "gigpo_advantage",
     "grpo_advantage",
     "rloo_advantage",
-    "reinforce_pp_advantage",
     "reinforce_pp_baseline_advantage",
     "grpo_passk_advantage",
     "remax_advantage",
@@ -415,8 +414,6 @@ def reinforce_pp_baseline_advantage(
     return _weighted_whiten(centred, w, eps).to(reward.dtype)
 
 
-#: Former name of :func:`reinforce_pp_baseline_advantage` (kept for compatibility).
-reinforce_pp_advantage = reinforce_pp_baseline_advantage
 
 
 def grpo_passk_advantage(

@@ -190,6 +190,9 @@ def token_gae(
 class PPOLoss(ClipPolicyLoss):
     """PPO for LLM rows: :class:`ClipPolicyLoss` on per-token GAE advantages + clipped value loss.
 
+    This is the PPO the trainer runs for ``algorithm.name=ppo`` (with ``critic_coef=None``: its
+    critic is a separate model with its own optimizer, trained by :meth:`value_loss`).
+
     Call :meth:`compute_advantage` once on the whole collected batch (it writes ``advantage`` and
     ``value_target`` [N, T], whitening over the batch); then call the loss on mini-batches. If
     ``value_target`` is missing when the loss is called, :meth:`compute_advantage` is run on the
@@ -200,15 +203,19 @@ class PPOLoss(ClipPolicyLoss):
     - ``state_value`` [N, T]: current value-head output (carries grad);
     - ``old_state_value`` [N, T]: value-head output at collection time;
     - ``score`` [N] or [N, 1]: the row's score (e.g. :func:`~.functional.episode_scores`);
+    - ``token_reward`` [N, T], optional: a per-token reward added before GAE (the KL-in-reward
+      penalty ``-beta * kl_t``, :func:`~torchrl_agent.objectives.kl_in_reward`);
     - ``value_target`` [N, T]: GAE returns (written by :meth:`compute_advantage`).
 
-    Value loss (``vclip = clamp(V, V_old - value_clip, V_old + value_clip)``)::
+    Value loss (``vclip = clamp(V, V_old - value_clip, V_old + value_clip)``,
+    :func:`clipped_value_loss`)::
 
-        loss_critic = critic_coef * 0.5 * agg(max((V - R)**2, (vclip - R)**2))
+        loss_critic = critic_coef * agg(max((V - R)**2, (vclip - R)**2))
 
     Keyword Args:
         value_clip (float | None): defaults to 0.5; ``None`` disables value clipping.
-        critic_coef (float): defaults to 1.0.
+        critic_coef (float | None): defaults to 1.0; ``None``: no ``loss_critic`` in the output
+            (a critic trained apart calls :meth:`value_loss`), as TorchRL's ``ClipPPOLoss``.
         gamma, lmbda (float): GAE parameters, both default to 1.0.
         Other keyword arguments go to :class:`ClipPolicyLoss` (KL defaults to 0 here, the
         reference PPO uses no KL term).
@@ -221,6 +228,7 @@ class PPOLoss(ClipPolicyLoss):
         state_value: NestedKey = "state_value"
         old_state_value: NestedKey = "old_state_value"
         score: NestedKey = "score"
+        token_reward: NestedKey = "token_reward"
         value_target: NestedKey = "value_target"
 
     default_keys = _AcceptedKeys
@@ -230,7 +238,7 @@ class PPOLoss(ClipPolicyLoss):
         actor_network: TensorDictModuleBase | None = None,
         *,
         value_clip: float | None = 0.5,
-        critic_coef: float = 1.0,
+        critic_coef: float | None = 1.0,
         gamma: float = 1.0,
         lmbda: float = 1.0,
         aggregation: Aggregation = "token-mean",
@@ -240,31 +248,46 @@ class PPOLoss(ClipPolicyLoss):
         super().__init__(actor_network, aggregation=aggregation, kl_coef=kl_coef, **kwargs)
         if value_clip is not None and value_clip <= 0:
             raise ValueError(f"`value_clip` must be > 0 (or None), got {value_clip}.")
+        if not (0.0 <= gamma <= 1.0 and 0.0 <= lmbda <= 1.0):
+            raise ValueError(f"`gamma` and `lmbda` must be in [0, 1], got {gamma} and {lmbda}.")
         self.value_clip = value_clip
-        self.critic_coef = float(critic_coef)
+        self.critic_coef = None if critic_coef is None else float(critic_coef)
         self.gamma, self.lmbda = float(gamma), float(lmbda)
 
     def compute_advantage(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Writes per-token ``advantage`` and ``value_target`` [N, T] (GAE, whitened) in place."""
+        """Writes per-token ``advantage`` and ``value_target`` [N, T] (GAE over ``old_state_value``,
+        the ``score`` at each row's last token plus the optional ``token_reward``, whitened) in place."""
         mask = self._get(tensordict, "mask").bool()
         old_v = self._check_tokens("old_state_value", self._get(tensordict, "old_state_value"), mask.shape)
-        adv, ret = token_gae(old_v, mask, self._get(tensordict, "score"), gamma=self.gamma, lmbda=self.lmbda)
+        token_reward = self._get(tensordict, "token_reward", required=False)
+        if token_reward is not None:
+            token_reward = self._check_tokens("token_reward", token_reward, mask.shape)
+        adv, ret = token_gae(old_v, mask, self._get(tensordict, "score"), gamma=self.gamma, lmbda=self.lmbda,
+                             token_rewards=token_reward)
         tensordict.set(self.tensor_keys.advantage, adv)
         tensordict.set(self.tensor_keys.value_target, ret)
         return tensordict
 
-    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        """Policy terms (see :class:`ClipPolicyLoss`) plus ``loss_critic`` and ``value_clip_fraction``."""
-        if tensordict.get(self.tensor_keys.value_target, None) is None:
-            tensordict = self.compute_advantage(tensordict.copy())
-        out = super().forward(tensordict)
+    def value_loss(self, tensordict: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
+        """The clipped value loss (not scaled by ``critic_coef``) and its clip fraction, scalars,
+        from ``state_value``, ``old_state_value``, ``value_target`` and ``mask`` [N, T]."""
         mask = self._get(tensordict, "mask").bool()
         value = self._check_tokens("state_value", self._get(tensordict, "state_value"), mask.shape)
         old_value = self._check_tokens("old_state_value", self._get(tensordict, "old_state_value"), mask.shape)
         target = self._check_tokens("value_target", self._get(tensordict, "value_target"), mask.shape)
-        loss_v, frac = clipped_value_loss(value, old_value, target, mask, value_clip=self.value_clip,
-                                          aggregation=self.aggregation, norm_length=self.norm_length)
+        return clipped_value_loss(value, old_value, target, mask, value_clip=self.value_clip,
+                                  aggregation=self.aggregation, norm_length=self.norm_length)
+
+    def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
+        """Policy terms (see :class:`ClipPolicyLoss`) plus ``loss_critic`` and ``value_clip_fraction``
+        (unless ``critic_coef`` is ``None``)."""
+        if tensordict.get(self.tensor_keys.value_target, None) is None and self.critic_coef is not None:
+            tensordict = self.compute_advantage(tensordict.copy())
+        out = super().forward(tensordict)
+        if self.critic_coef is None:
+            return out
+        loss_v, frac = self.value_loss(tensordict)
         if self.value_clip is not None:
             out.set("value_clip_fraction", frac)
-        out.set("loss_critic", self.critic_coef * 0.5 * loss_v)
+        out.set("loss_critic", self.critic_coef * loss_v)
         return out

@@ -235,9 +235,12 @@ def _train_job(cfg) -> int:
 
 def _train_run(cfg) -> tuple[int, dict]:
     """Train one config: (exit code, summary). 2: invalid config, 1: training stopped (diverged, a
-    checkpoint that cannot be written), 0: done."""
+    checkpoint that cannot be written, a full disk), 130/143: stopped by SIGINT/SIGTERM with a
+    checkpoint (continue with ``resume=auto``), 0: done."""
     from omegaconf import OmegaConf
 
+    from torchrl_agent.envs.data_files import DataFileError
+    from torchrl_agent.trainers.run_dir import RunInterrupted
     from torchrl_agent.trainers.trainer import CheckpointError, Trainer, TrainingDivergedError
 
     try:
@@ -245,16 +248,35 @@ def _train_run(cfg) -> tuple[int, dict]:
     except (ValueError, KeyError, FileNotFoundError) as err:
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2, {"error": f"invalid config: {err}"}
+    except KeyboardInterrupt:
+        print("torchrl-agent: interrupted while starting; nothing was trained", file=sys.stderr)
+        return 130, {"error": "interrupted while starting"}
     if int(os.environ.get("RANK", "0")) == 0:
         OmegaConf.save(OmegaConf.structured(cfg), trainer.run_dir / "config.yaml")
+    resume = f"continue with resume=auto run_dir={trainer.run_dir}"
     try:
         summary = trainer.train()
+    except RunInterrupted as err:  # SIGINT / SIGTERM: stopped at the end of an iteration, with a checkpoint
+        print(f"torchrl-agent: {err}", file=sys.stderr)
+        return err.exit_code, {"run_dir": str(trainer.run_dir), "error": str(err)}
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        print(f"torchrl-agent: interrupted; {resume} (from the last checkpoint)", file=sys.stderr)
+        return 130, {"run_dir": str(trainer.run_dir), "error": "interrupted"}
     except (CheckpointError, TrainingDivergedError) as err:  # metrics.jsonl is complete, checkpoints finite
         print(f"torchrl-agent: {err}", file=sys.stderr)
+        return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
+    except DataFileError as err:  # a bad evaluation data file, read when the first evaluation builds its env
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
+    except OSError as err:  # a full disk, a lost mount: what was written is intact
+        print(f"torchrl-agent: the run stopped ({err}); fix it (free space), then {resume}", file=sys.stderr)
         return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
     if summary:  # ranks > 0 under torchrun return {}
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
         print(json.dumps(summary), flush=True)
+    if summary.get("checkpoint_error"):  # trained and evaluated, but the final checkpoint is not on disk
+        print(f"torchrl-agent: {summary['checkpoint_error']}", file=sys.stderr)
+        return 1, summary
     return 0, summary
 
 

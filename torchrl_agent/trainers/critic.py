@@ -2,7 +2,8 @@
 
 As the reference (verl's ``dp_critic``), the critic is a separate model initialised from the
 policy's weights (``model.path``), with its own AdamW (``algorithm.critic_lr``, 1e-5), gradient
-clipping and clipped value loss; it is updated on the same mini-batches as the policy, before it.
+clipping and clipped value loss (:meth:`PPOLoss.value_loss <torchrl_agent.objectives.PPOLoss.value_loss>`,
+the run's PPO loss); it is updated on the same mini-batches as the policy, before it.
 The value of response token ``k`` is read at the position before it (the state from which token
 ``k`` is generated), as the reference's ``values[:, -response_length - 1:-1]``.
 
@@ -10,7 +11,8 @@ Under ``torchrun`` the critic lives on rank 0 only (unsharded) and is updated th
 rows are broadcast to the other ranks for the policy update.
 
 Formulas (GAE, value loss): ``docs/algorithms.md``. GAE itself is TorchRL's functional
-``vec_generalized_advantage_estimate`` (via :func:`~torchrl_agent.objectives.token_gae`); TorchRL's
+``vec_generalized_advantage_estimate`` (via :meth:`PPOLoss.compute_advantage
+<torchrl_agent.objectives.PPOLoss.compute_advantage>` and :func:`~torchrl_agent.objectives.token_gae`); TorchRL's
 ``GAE`` value-estimator module is not used because it calls a value network on each step's
 ``(observation, ("next", observation))`` pair, while here all token values of a response come from one
 forward over prompt + response (``values [N, T]``), with the value after the last token 0.
@@ -19,11 +21,12 @@ forward over prompt + response (``values [N, T]``), with the value after the las
 from __future__ import annotations
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from torchrl_agent.modules.logprobs import pad_rows
-from torchrl_agent.objectives.ppo import clipped_value_loss
+from torchrl_agent.objectives.ppo import PPOLoss
+from torchrl_agent.trainers.batching import fit_width
 
 __all__ = ["ValueModel", "Critic"]
 
@@ -69,19 +72,18 @@ class Critic:
 
     Args:
         model: a :class:`ValueModel`.
+        loss: the run's :class:`~torchrl_agent.objectives.PPOLoss`: its :meth:`~.PPOLoss.value_loss`
+            (``value_clip``, the reference's ``cliprange_value`` 0.5, and the policy's aggregation,
+            as the reference) is the critic's loss.
         lr: AdamW learning rate (reference ``critic.optim.lr`` = 1e-5); weight decay 0.01.
-        value_clip: the reference's ``cliprange_value`` (0.5); ``None`` disables.
         grad_clip: gradient-norm clip.
-        aggregation, norm_length: the loss aggregation (the reference uses the actor's).
     """
 
-    def __init__(self, model: ValueModel, *, lr: float = 1e-5, weight_decay: float = 0.01,
-                 value_clip: float | None = 0.5, grad_clip: float = 1.0, aggregation: str = "token-mean",
-                 norm_length: int | None = None) -> None:
-        self.model = model
+    def __init__(self, model: ValueModel, loss: PPOLoss, *, lr: float = 1e-5, weight_decay: float = 0.01,
+                 grad_clip: float = 1.0) -> None:
+        self.model, self.loss = model, loss
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-        self.value_clip, self.grad_clip = value_clip, grad_clip
-        self.aggregation, self.norm_length = aggregation, norm_length
+        self.grad_clip = grad_clip
 
     @torch.no_grad()
     def values(self, rows: TensorDictBase, chunk: int = 64) -> torch.Tensor:
@@ -107,10 +109,10 @@ class Critic:
                 idx = order[start:start + minibatch_size]
                 value, mask = self.model(rows[idx])
                 width = value.shape[-1]
-                old = _fit(old_values[idx], width).to(value.device)
-                target = _fit(returns[idx], width).to(value.device)
-                loss, frac = clipped_value_loss(value, old, target, mask, value_clip=self.value_clip,
-                                                aggregation=self.aggregation, norm_length=self.norm_length)
+                old = fit_width(old_values[idx], width).to(value.device)
+                target = fit_width(returns[idx], width).to(value.device)
+                loss, frac = self.loss.value_loss(TensorDict(
+                    state_value=value, old_state_value=old, value_target=target, mask=mask, batch_size=[len(idx)]))
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -128,10 +130,3 @@ class Critic:
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
-
-
-def _fit(x: torch.Tensor, width: int) -> torch.Tensor:
-    """``x`` [n, W] cut or zero-padded to [n, width]."""
-    if x.shape[-1] >= width:
-        return x[:, :width]
-    return torch.nn.functional.pad(x, (0, width - x.shape[-1]))

@@ -19,14 +19,14 @@ from __future__ import annotations
 import logging
 import time
 
-import torch
 from tensordict import lazy_stack
 
 from torchrl_agent.collectors import StepCollector, episode_metrics
+from torchrl_agent.envs.factory import build_env
 from torchrl_agent.models import load_model
 from torchrl_agent.modules import HTTPPolicy, TransformersPolicy
+from torchrl_agent.trainers.checkpointing import check_model_state, read_checkpoint
 from torchrl_agent.trainers.config import TrainConfig
-from torchrl_agent.trainers.trainer import build_env
 
 __all__ = ["evaluate_policy"]
 
@@ -37,8 +37,11 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     """Run the configured policy on the evaluation panel; return success overall and per task type."""
     r, e = cfg.rollout, cfg.eval
     model, tokenizer = load_model(cfg.model)
-    if e.checkpoint:
-        model.load_state_dict(torch.load(e.checkpoint, map_location="cpu", weights_only=False)["model"])
+    if e.checkpoint:  # read and verified, no code of the file runs; another model's weights: one line
+        state = read_checkpoint(e.checkpoint)
+        check_model_state(state["model"], {k: v.shape for k, v in model.state_dict().items()}, e.checkpoint,
+                          state.get("config"))
+        model.load_state_dict(state["model"])
     model.eval()
     if e.endpoint:
         policy = HTTPPolicy(e.endpoint, tokenizer, model=e.endpoint_model or "default",

@@ -1,10 +1,10 @@
 """The training loop: collect -> advantages -> old/reference log-probs -> clipped loss -> AdamW.
 
-One iteration::
+One iteration (:meth:`Trainer.train`, the same loop on every rank under torchrun)::
 
-    rows = collector.collect()                      # one row per env step, complete groups
-    rows = advantage(rows)                          # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
-    old_log_prob, ref_log_prob = recompute(rows)    # trainer-side, no grad
+    rows = collect_rows()                           # one row per env step, complete groups, with advantages:
+                                                    # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
+    old_log_prob, ref_log_prob = recompute_log_probs(rows)   # trainer-side, no grad
     for epoch, minibatch of rows:                   # one optimizer step per mini-batch
         for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
             (weight * ClipPolicyLoss(log_prob(micro), ...)).backward()  # accumulates the mini-batch's gradient
@@ -12,71 +12,90 @@ One iteration::
     policy.update_weights(...)                      # engines with their own weights
     evaluate on the held-out panel every `eval_every` iterations
 
+Under torchrun every rank collects its share of the groups with its own rollout engine and
+receives the others' rows, recomputes its share of the old/reference log-probs (gathered), plays
+its share of the evaluation panel and trains its share of each mini-batch (FSDP2); after every
+update each rank loads the full weights into its engine; rank 0 alone writes the logs
+(docs/distributed.md). The pieces live in files named for them:
+:mod:`.builders` (config -> engine, collector, advantage, loss), :mod:`.model_setup` (precision,
+LoRA, FSDP2, reference), :mod:`.batching` (micro-batches, padding), :mod:`.loggers` (metrics
+files, TensorBoard, W&B, plot), :mod:`.algorithms` (each algorithm by name, and the hooks that run its parts).
+
 Metrics go to ``metrics.jsonl`` and TensorBoard in the run directory, one line per iteration to
 the console; :meth:`Trainer.train` returns the run summary printed as the last line by the CLI.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import datetime
-import json
 import logging
-import math
 import random
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchrl.envs import Compose, TransformedEnv
 
-from torchrl_agent.collectors import StepCollector, episode_metrics
-from torchrl_agent.envs import make_env
-from torchrl_agent.envs.transforms import (
-    ActionProjection,
-    FullHistory,
-    NoHistory,
-    PromptTransform,
-    SummaryMemory,
-    WindowMemory,
-    resolve_template,
+from torchrl_agent.collectors import episode_metrics
+from torchrl_agent.modules import ResponseLogProbs
+from torchrl_agent.trainers.algorithms import AlgorithmHooks
+from torchrl_agent.trainers.batching import (
+    micro_batches,
+    minibatch_advantage,
+    pad_ragged,
+    row_lengths,
+    token_budget_batches,
 )
-from torchrl_agent.models import compute_dtype, load_model, model_path
-from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
-from torchrl_agent.objectives import (
-    ClipPolicyLoss,
-    GiGPOAdvantage,
-    GRPOAdvantage,
-    GRPOPassKAdvantage,
-    ReinforcePlusPlusAdvantage,
-    ReinforcePlusPlusBaselineAdvantage,
-    ReMaxAdvantage,
-    RLOOAdvantage,
+from torchrl_agent.trainers.builders import (
+    build_advantage,
+    build_collector,
+    build_env,
+    build_loss,
+    build_policy,
+    prompt_budget,
+    rollout_config,
 )
-from torchrl_agent.trainers.algorithm import ESTIMATORS, AlgorithmHooks, check_algorithm, minibatch_advantage
+from torchrl_agent.trainers.checkpointing import (
+    CheckpointError,
+    check_model_state,
+    numpy_state,
+    plain_numpy_state,
+    read_checkpoint,
+    write_checkpoint,
+)
 from torchrl_agent.trainers.config import TrainConfig
 from torchrl_agent.trainers.distributed import (
-    accumulation_weights,
-    barrier,
     broadcast_object,
     clip_grad_norm,
     full_optimizer_state_dict,
     full_state_dict,
+    full_weights,
     init_distributed,
     is_distributed,
     is_main_process,
     load_full_optimizer_state_dict,
     load_full_state_dict,
-    loss_units,
     reduce_mean,
     shard_indices,
-    shard_model,
+    split_over_ranks,
 )
-from torchrl_agent.trainers.validate import resolve_resume, validate_config
+from torchrl_agent.trainers.loggers import console_line, finite_record, init_wandb, plot_learning_curve, write_record
+from torchrl_agent.trainers.model_setup import setup_models
+from torchrl_agent.trainers.run_dir import (
+    GuardedSink,
+    RunDirLock,
+    RunInterrupted,
+    StopSignals,
+    check_run_dir,
+    metrics_iterations,
+    new_run_dir,
+    open_metrics,
+    open_tensorboard,
+)
+from torchrl_agent.trainers.validate import validate_config
 
 __all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
            "token_budget_batches"]
@@ -84,256 +103,58 @@ __all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "
 logger = logging.getLogger("torchrl_agent")
 
 
-def build_memory(cfg, policy=None):
-    """The memory transform of a ``memory`` config; ``policy`` summarises for ``kind=summary``."""
-    if cfg.kind == "summary":
-        return SummaryMemory(cfg.k, summarizer=policy, max_summary_tokens=cfg.max_summary_tokens,
-                             summarize_every=cfg.summarize_every)
-    if cfg.kind == "window":
-        return WindowMemory(cfg.k)
-    if cfg.kind == "full":
-        return FullHistory()
-    if cfg.kind == "none":
-        return NoHistory()
-    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full, none or summary")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written (no space, a failed write, non-finite weights); the
-    message says why and which earlier checkpoint is intact."""
-
-
-def prompt_budget(cfg: TrainConfig, tokenizer) -> int:
-    """The per-step prompt budget: ``memory.max_prompt_tokens``, or by default
-    ``min(2048, context - rollout.max_new_tokens)`` (2048 is the reference's ``max_prompt_length``)."""
-    if cfg.memory.max_prompt_tokens is not None:
-        return cfg.memory.max_prompt_tokens
-    context = getattr(tokenizer, "model_max_length", None)
-    if not isinstance(context, int) or context > 10_000_000:  # transformers' "unknown" sentinel
-        context = 2048 + cfg.rollout.max_new_tokens
-    return max(1, min(2048, context - cfg.rollout.max_new_tokens))
-
-
-def build_env(cfg: TrainConfig, tokenizer, *, split: str = "train", policy=None) -> TransformedEnv:
-    """The environment with its memory, prompt and projection transforms, per the config."""
-    e = cfg.env
-    kwargs = dict(e.kwargs)
-    kwargs.setdefault("num_workers", e.num_workers)
-    if e.max_steps is not None:
-        kwargs["max_steps"] = e.max_steps
-    if split == "train":
-        base = make_env(e.name, num_groups=e.num_groups, group_size=e.group_size, seed=cfg.seed, **kwargs)
-    else:
-        base = make_env(e.name, num_groups=e.eval_episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
-    transforms = Compose(build_memory(cfg.memory, policy),
-                         PromptTransform(tokenizer, resolve_template(e.template, e.name),
-                                         max_prompt_tokens=prompt_budget(cfg, tokenizer)),
-                         ActionProjection(e.action_format, env_name=e.name, max_chars=e.max_response_chars))
-    return TransformedEnv(base, transforms)
-
-
-def apply_lora(model, cfg):
-    """Wrap ``model`` with LoRA adapters (``peft``) per the model config."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as err:
-        raise ImportError("model.lora_rank > 0 needs peft: pip install 'torchrl-agent[lora]'") from err
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",")]
-    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
-                        task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
-
-
-def build_policy(cfg, model, tokenizer):
-    """The rollout engine of ``rollout.engine``: ``transformers`` (shares ``model``) or ``vllm``
-    (its own copy of the weights, refreshed by ``update_weights`` after every update)."""
-    r = cfg.rollout
-    if r.engine == "transformers":
-        return TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  batch_size=r.batch_size)
-    if r.engine == "vllm":
-        from torchrl_agent.modules.vllm_policy import VLLMPolicy
-
-        if cfg.model.lora_rank > 0:
-            raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
-        return VLLMPolicy(model_path(cfg.model), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed,
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_num_seqs=r.batch_size)
-    raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
-
-
-def build_advantage(cfg):
-    """The advantage module of ``algorithm.name`` (``None`` for ``ppo``: GAE needs the critic's
-    values, see :class:`~torchrl_agent.trainers.algorithm.AlgorithmHooks`)."""
-    check_algorithm(cfg)
-    a = cfg.algorithm
-    estimator = ESTIMATORS[a.name]
-    c = a.invalid_penalty
-    if estimator == "grpo":
-        return GRPOAdvantage(invalid_penalty=c, norm=a.norm)
-    if estimator == "gigpo":
-        return GiGPOAdvantage(gamma=a.gamma, omega=a.omega, invalid_penalty=c, norm=a.norm,
-                              similarity_threshold=a.similarity_threshold)
-    if estimator == "rloo":
-        return RLOOAdvantage(invalid_penalty=c)
-    if estimator == "reinforce_pp":
-        return ReinforcePlusPlusAdvantage(gamma=a.gamma, invalid_penalty=c)
-    if estimator == "reinforce_pp_baseline":
-        return ReinforcePlusPlusBaselineAdvantage(invalid_penalty=c)
-    if estimator == "grpo_passk":
-        return GRPOPassKAdvantage(invalid_penalty=c, norm=a.norm)
-    if estimator == "remax":
-        return ReMaxAdvantage(invalid_penalty=c)
-    return None  # gae (ppo)
-
-
-def build_loss(cfg) -> ClipPolicyLoss:
-    """The policy loss of the ``algorithm`` config."""
-    a = cfg.algorithm
-    return ClipPolicyLoss(eps_low=a.eps_low, eps_high=a.eps_high, dual_clip=a.dual_clip, aggregation=a.aggregation,
-                          kl_coef=a.kl_coef, entropy_coef=a.entropy_coef, ratio=a.ratio, max_log_ratio=a.max_log_ratio,
-                          kl_type=a.kl_type, norm_length=a.loss_norm_length or cfg.rollout.max_new_tokens)
-
-
-def _tensor_bytes(obj) -> int:
-    """Bytes held by the tensors in a nested dict/list (a checkpoint's size, roughly)."""
-    if torch.is_tensor(obj):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0
-
-
-def _write_checkpoint(state: dict, path: Path) -> None:
-    torch.save(state, path)
-
-
-def _finite_json(record: dict) -> tuple[dict, list[str]]:
-    """``record`` with every non-finite float replaced by ``None`` (strict JSON), and those keys."""
-    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
-    return {k: (None if k in bad else v) for k, v in record.items()}, bad
-
-
-def token_budget_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    """Splits ``indices`` into micro-batches whose padded size (rows x longest ``lengths[i]``) is at
-    most ``budget`` tokens; a row longer than the budget goes alone. Longest rows first, so that rows
-    of similar length share a micro-batch (less padding)."""
-    batches: list[list[int]] = []
-    for i in sorted(indices, key=lambda i: -lengths[i]):
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
-def _lengths(rows: TensorDictBase) -> tuple[list[int], list[int]]:
-    """Per-row prompt + response token counts and response token counts."""
-    responses = [len(r) for r in rows.get(("tokens", "response"), as_list=True)]
-    prompts = [len(p) for p in rows.get(("tokens", "prompt"), as_list=True)]
-    return [p + r for p, r in zip(prompts, responses)], responses
-
-
-def micro_batches(rows: TensorDictBase, idx: list[int], active: bool = True, *, budget: int,
-                  aggregation: str) -> list[tuple[list[int], float, bool]]:
-    """This rank's rows ``idx`` of a mini-batch as ``(rows, loss weight, active)`` micro-batches of
-    at most ``budget`` padded tokens (:func:`token_budget_batches`). The weights make the sum of
-    the micro-batches' weighted losses the whole mini-batch's loss, so accumulating their gradients
-    gives the mini-batch's gradient (:func:`~torchrl_agent.trainers.distributed.accumulation_weights`,
-    exact over FSDP2 ranks). Every rank gets the same number of micro-batches: an ``active=False``
-    one (weight 0, to run with a zero mask) fills in where a rank has fewer."""
-    lengths, responses = _lengths(rows)
-    batches = token_budget_batches(idx, lengths, budget) if active else []
-    weights, count = accumulation_weights([loss_units([responses[i] for i in b], aggregation) for b in batches])
-    return [(b, w, True) for b, w in zip(batches, weights)] + [(idx[:1], 0.0, False)] * (count - len(batches))
-
-
 class TrainingDivergedError(RuntimeError):
     """Raised after ``algorithm.max_skipped_steps`` consecutive non-finite gradient norms."""
-
-
-def _pad(values: list[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros(len(values), width, device=values[0].device if values else None)
-    for i, v in enumerate(values):
-        out[i, : len(v)] = v
-    return out
 
 
 class Trainer:
     """Runs the loop of the module docstring for a :class:`TrainConfig`."""
 
     def __init__(self, cfg: TrainConfig):
-        validate_config(cfg)  # every value in range, before any model is loaded
+        validate_config(cfg)  # every value in range (the algorithm's settings too), before any model is loaded
         self.cfg = cfg
-        check_algorithm(cfg)  # a wrong algorithm setting fails before any model is loaded
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
-        self.rank, self.world_size, self.device = init_distributed(cfg.device)
+        # under torchrun: one process per device, each with its engine; rank 0 logs (docs/distributed.md)
+        self.rank, self.world_size, self.device = init_distributed(cfg.device, timeout_s=cfg.collective_timeout_s)
         torch.manual_seed(cfg.seed)
-        if is_main_process():
-            model_path(cfg.model)  # build (and cache) the tiny model once, before the other ranks read it
-        barrier()
-        # mixed precision: float32 master weights and optimizer state, computing in `model.dtype`
-        # (autocast in a single process, FSDP2's MixedPrecisionPolicy under torchrun)
-        self.compute_dtype = compute_dtype(cfg.model)
-        if self.compute_dtype == torch.float16:
-            raise ValueError("model.dtype: float16 training is not supported (it needs a loss scaler); "
-                             "use bfloat16 or float32")
-        self.model, self.tokenizer = load_model(cfg.model, dtype=torch.float32)
-        self.model.to(self.device).train()
         a = cfg.algorithm
-        if cfg.model.lora_rank > 0:
-            # LoRA: only the adapters train; the reference policy is the base model with the
-            # adapters disabled (no second copy of the weights)
-            self.model = apply_lora(self.model, cfg.model)
-        lowp = self.compute_dtype != torch.float32
-        # the frozen initial policy of the KL term: held in the compute dtype (it never trains) and
-        # under torchrun sharded like the policy, never a full copy per rank
-        self.reference = None
-        if (a.kl_coef > 0 or a.kl_in_reward) and cfg.model.lora_rank == 0:
-            self.reference = shard_model(copy.deepcopy(self.model).to(self.compute_dtype).eval().requires_grad_(False))
-        # the transformers engine's weights: the training model itself (float32, one process), else a
-        # copy in the compute dtype on rank 0 (a forward of the sharded model is collective), loaded
-        # by sync_weights after every update; the vLLM engine holds its own copy (None here)
-        self.rollout_model = None
-        if cfg.rollout.engine == "transformers":
-            self.rollout_model = self.model
-            if lowp or is_distributed():
-                self.rollout_model = (copy.deepcopy(self.model).to(self.compute_dtype).eval()
-                                      if is_main_process() else None)
-        mp_policy = None
-        if lowp and is_distributed():
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            mp_policy = MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=torch.float32)
-        self.model = shard_model(self.model, mp_policy=mp_policy)  # no-op in a single process
-        self.autocast_enabled = lowp and not is_distributed()
+        models = setup_models(cfg, self.device, reference=a.kl_coef > 0 or a.kl_in_reward)
+        self.model, self.tokenizer, self.reference = models.model, models.tokenizer, models.reference
+        self.rollout_model = models.rollout_model  # the transformers engine's weights (None: vLLM, ranks > 0)
+        self.compute_dtype, self.autocast_enabled = models.compute_dtype, models.autocast_enabled
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradient norm)
         r = cfg.rollout
-        self.policy = self.eval_policy = self.env = self.collector = None
-        if is_main_process():
-            self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
-            self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
-            self.eval_policy.temperature = r.eval_temperature
-            self.env = build_env(cfg, self.tokenizer, policy=self.policy)
-            self.collector = StepCollector(self.env, self.policy, seed=cfg.seed, lockstep=r.lockstep,
-                                           progress=cfg.progress)
+        # every rank holds a rollout engine and collects its share of the groups (under torchrun the
+        # engines are built together: vLLM's set-up is collective; see docs/distributed.md)
+        self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
+        self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
+        self.eval_policy.temperature = r.eval_temperature
+        # (collector.kind=multiprocess/ray: the collector's processes build their own envs and engines;
+        # this process's engine evaluates)
+        sharded = cfg.collector.kind != "step"
+        self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
+        self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
+        self.weight_sync_s = 0.0  # the last weight sync's seconds
+        self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
                                       chunk_tokens=a.logprob_chunk_tokens)
-        self.loss = build_loss(cfg)
-        # per-algorithm collection (dynamic sampling, ReMax baseline) and preparation (KL in the
-        # reward, PPO's critic): rank 0 only
-        self.hooks = AlgorithmHooks(cfg, self) if is_main_process() else None
+        self.loss = build_loss(cfg)  # before the hooks: PPO's critic trains with this loss's value term
+        # the algorithm's parts (baseline episodes, critic) and options (dynamic sampling, KL in the
+        # reward) around collection and advantages: every rank, on the same gathered rows
+        self.hooks = AlgorithmHooks(cfg, self)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
-        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-        self.run_dir = Path(cfg.run_dir or f"runs/{stamp}")
-        self.run_dir = Path(broadcast_object(str(self.run_dir)))  # rank 0's timestamp
-        self.resume_path = self._check_run_dir()
-        if is_main_process():
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        # the run directory (run_dir.py): a new folder of its own, or run_dir=, held by a lock
+        run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
+        self.run_dir = Path(broadcast_object(run_dir))  # rank 0's folder
+        self.lock = RunDirLock(self.run_dir).acquire() if is_main_process() else None
+        self.signals = StopSignals()  # SIGINT / SIGTERM: stop at the end of an iteration (train)
+        try:
+            self.resume_path = self._check_run_dir()
+        except BaseException:
+            self.close()
+            raise
         self.iteration = 0
         self.history: list[dict] = []
         self.evals: list[tuple[int, float]] = []  # (iteration, held-out success)
@@ -349,19 +170,33 @@ class Trainer:
 
     @torch.no_grad()
     def recompute(self, model, rows: TensorDictBase) -> list[torch.Tensor]:
-        """Per-row response log-probs under ``model`` (a list of 1-D float32 tensors), in micro-batches
-        of ``algorithm.micro_batch_tokens`` padded tokens (the same split on every rank)."""
+        """Per-row response log-probs under ``model`` (a list of 1-D float32 tensors, on CPU under
+        torchrun), in micro-batches of ``algorithm.micro_batch_tokens`` padded tokens.
+
+        Computed once over the ranks: each rank its share of the rows (balanced by tokens), then
+        gathered (:func:`~torchrl_agent.trainers.distributed.split_over_ranks`); every rank calls it
+        with the same rows and gets every row's log-probs. :attr:`recomputed_rows` holds the rows
+        this rank computed."""
         a = self.cfg.algorithm
         module = ResponseLogProbs(model, self.tokenizer.pad_token_id, temperature=self.actor.temperature,
                                   with_entropy=False, chunk_tokens=a.logprob_chunk_tokens)
-        lengths, _ = _lengths(rows)
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(lengths)
-        for idx in token_budget_batches(list(range(len(lengths))), lengths, a.micro_batch_tokens):
+        lengths, _ = row_lengths(rows)
+
+        def compute(idx: list[int]) -> list[torch.Tensor]:
             with self.autocast():
                 part = module(rows[idx])
-            for i, lp, n in zip(idx, part["log_prob"], part["mask"].sum(-1)):
-                out[i] = lp[: int(n)]
+            return [lp[: int(n)] for lp, n in zip(part["log_prob"], part["mask"].sum(-1))]
+
+        out, self.recomputed_rows = split_over_ranks(
+            compute, lengths, lambda share: token_budget_batches(share, lengths, a.micro_batch_tokens))
         return out
+
+    def recompute_log_probs(self, rows: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The rows' old log-probs (under the policy that collected them, before any step of this
+        iteration) and their reference log-probs (``None`` without a KL term), per row, 1-D float32.
+
+        Every rank calls it with the same rows (a forward of the sharded model is collective)."""
+        return self.recompute(self.model, rows), self.reference_log_probs(rows)
 
     def reference_log_probs(self, rows: TensorDictBase) -> list[torch.Tensor] | None:
         """The KL reference's per-row log-probs (None without a KL term)."""
@@ -386,11 +221,11 @@ class Trainer:
         mask = current["mask"] & active
         batch = TensorDict({
             "log_prob": current["log_prob"], "entropy": current["entropy"], "mask": mask,
-            "old_log_prob": _pad([old[i] for i in idx], width),
+            "old_log_prob": pad_ragged([old[i] for i in idx], width),
             "advantage": minibatch_advantage(advantage, idx, width).to(mask.device),
         }, batch_size=[len(idx)])
         if ref is not None:
-            batch["ref_log_prob"] = _pad([ref[i] for i in idx], width)
+            batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width)
         return batch
 
     def optimizer_step(self) -> tuple[float, bool]:
@@ -436,9 +271,9 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.warmup_lr()
-        old = self.recompute(self.model, rows)  # the policy that collected the rows (before any step)
+        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
+        old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
-        ref = self.reference_log_probs(rows)
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
@@ -467,7 +302,7 @@ class Trainer:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         self.sync_weights()
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
-        return {**means, **consistency, "skipped_steps": skipped}
+        return {**means, **consistency, "skipped_steps": skipped, "weight_sync_s": self.weight_sync_s}
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
@@ -475,10 +310,16 @@ class Trainer:
         distribution than the one trained (stale weights, dtype, sampling settings)."""
         sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
         width = sampled.shape[-1]
-        mask = _pad([torch.ones(len(r)) for r in recomputed], width).bool()
-        diff = (sampled.to(mask.device) - _pad(recomputed, width).to(mask.device)).abs()[mask]
+        mask = pad_ragged([torch.ones(len(r)) for r in recomputed], width).bool()
+        diff = (sampled.to(mask.device) - pad_ragged(recomputed, width).to(mask.device)).abs()[mask]
         out = {"logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
                "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+        owner = getattr(self.collector, "owner", None)
+        if owner is not None:  # under torchrun: each rollout engine's rows apart
+            engines = owner(rows).to(mask.device)[:, None].expand_as(mask)[mask]
+            for e in range(self.collector.engines):
+                mine = diff[engines == e]
+                out[f"logprob_diff_max/engine{e}"] = float(mine.max()) if mine.numel() else 0.0
         threshold = self.cfg.rollout.logprob_warn_threshold
         if out["logprob_diff_max"] > threshold:
             logger.warning("engine and trainer log-probs differ by up to %.3g (> rollout.logprob_warn_threshold=%g)",
@@ -486,25 +327,44 @@ class Trainer:
         return out
 
     def sync_weights(self) -> None:
-        """Hands the trained weights to the rollout engine, in the compute dtype (under torchrun every
-        rank must call it: the full weights are gathered on rank 0)."""
-        state = full_state_dict(self.model) if is_distributed() else self.model.state_dict()
-        if not is_main_process():
-            return
-        if self.rollout_model is None:  # an engine with its own weights (vLLM)
+        """Hands the trained weights to the rollout engines, in the compute dtype; the seconds it
+        takes go to :attr:`weight_sync_s` (``weight_sync_s`` in the metrics).
+
+        Under torchrun every rank calls it: the FSDP2 shards are all-gathered into full weights on
+        every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
+        them into its own engine."""
+        t0 = time.perf_counter()
+        self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
+        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
+            state = full_weights(self.model, self.compute_dtype)
+            self.collector.update_policy_weights_(state)
+            if self.rollout_model is None:
+                self.policy.update_weights(state)
+            elif self.rollout_model is not self.model:
+                self.rollout_model.load_state_dict(state)
+        elif is_distributed():
+            state = full_weights(self.model, self.compute_dtype)
+            if self.rollout_model is not None:
+                self.rollout_model.load_state_dict(state)
+            else:  # an engine with its own weights (vLLM)
+                self.collector.update_policy_weights_(state)
+        elif self.rollout_model is None:  # an engine with its own weights (vLLM)
             self.collector.update_policy_weights_({k: v.detach().to(self.compute_dtype) if v.is_floating_point()
-                                                   else v for k, v in state.items()})
+                                                   else v for k, v in self.model.state_dict().items()})
         elif self.rollout_model is not self.model:
+            state = self.model.state_dict()
             self.rollout_model.load_state_dict(state)  # cast into the engine's copy
             self.collector.update_policy_weights_(state)
+        self.weight_sync_s = time.perf_counter() - t0
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Success on the held-out panel (fixed odd seeds, the same panel every time)."""
+        """Success on the held-out panel (fixed odd seeds, the same panel every time); under
+        torchrun every rank plays its share of the panel with its engine (all ranks call it)."""
         self.model.eval()
-        env = build_env(self.cfg, self.tokenizer, split="eval", policy=self.eval_policy)
+        env = build_env(rollout_config(self.cfg, "eval"), self.tokenizer, split="eval", policy=self.eval_policy)
         try:
-            rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
+            rows = build_collector(self.cfg, env, self.eval_policy, split="eval").collect()
         finally:
             env.close()  # worker processes, if any
         self.model.train()
@@ -529,15 +389,15 @@ class Trainer:
         """Save everything the next iteration depends on: weights, optimizer, iteration, the
         collector's position in its seed stream, RNG states and the metrics so far.
 
-        Written to a ``.tmp`` file and renamed, so a checkpoint on disk is always complete. Raises
+        Written atomically and with a checksum, as plain tensors and values that load without
+        running code (:func:`~torchrl_agent.trainers.checkpointing.write_checkpoint`). Raises
         :class:`CheckpointError` (nothing written, the previous checkpoint intact) when the weights
-        hold NaN/inf, when the disk has too little free space, or when the write fails."""
+        hold NaN/inf or when the write fails (a full disk)."""
         path = Path(path or self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt")
         model_state = full_state_dict(self.model)  # every rank gathers; rank 0 holds and writes
         optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
         if not is_main_process():
             return path
-        path.parent.mkdir(parents=True, exist_ok=True)
         kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
         bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
                and not torch.isfinite(v).all()]
@@ -547,66 +407,109 @@ class Trainer:
         state = {
             "model": model_state, "optimizer": optimizer_state,
             "iteration": self.iteration, "collector": self.collector.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-            "history": self.history, "evals": self.evals, "config": dataclasses.asdict(self.cfg),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": plain_numpy_state()},
+            "history": self.history, "evals": [list(e) for e in self.evals], "config": dataclasses.asdict(self.cfg),
             "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
-        need = _tensor_bytes(state) * 1.05 + 16e6  # the tensors plus pickling overhead
-        free = shutil.disk_usage(path.parent).free
-        if free < need:
-            raise CheckpointError(f"not enough free space to write {path}: about {need / 1e6:.0f} MB needed, "
-                                  f"{free / 1e6:.0f} MB free in {path.parent}; {kept}")
-        tmp = path.with_suffix(".tmp")
-        try:
-            _write_checkpoint(state, tmp)
-            tmp.replace(path)  # never a half-written checkpoint
-        except (OSError, RuntimeError) as err:
-            tmp.unlink(missing_ok=True)
-            free = shutil.disk_usage(path.parent).free
-            raise CheckpointError(f"writing {path} failed ({type(err).__name__}: {str(err).splitlines()[0]}); "
-                                  f"{free / 1e6:.0f} MB free in {path.parent} (disk full?); {kept}") from err
+        write_checkpoint(state, path, kept=kept)
         self.last_checkpoint = path
         return path
 
     def load_checkpoint(self, path: str | Path) -> None:
-        state = torch.load(path, map_location="cpu", weights_only=False) if is_main_process() else {}
+        """Continue from checkpoint ``path``: read and verified once by ``_check_run_dir`` (or now,
+        :func:`~torchrl_agent.trainers.checkpointing.read_checkpoint`); no code of the file runs."""
+        state = {}
+        if is_main_process():
+            state = self._resume_state if path == self.resume_path and self._resume_state else read_checkpoint(path)
+            self._resume_state = None
+            check_model_state(state["model"], {k: v.shape for k, v in self.model.state_dict().items()}, path,
+                              state.get("config"))
         load_full_state_dict(self.model, state.get("model", {}))
         load_full_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}))
         self.sync_weights()  # the rollout engine gets the loaded weights
         self.iteration = broadcast_object(state.get("iteration"))
+        # every rank's collector and algorithm hooks resume at rank 0's place
+        self.collector.load_state_dict(broadcast_object(state.get("collector")))
+        self.hooks.load_state_dict(broadcast_object(state.get("algorithm", {})))
         if not is_main_process():
             return
-        self.collector.load_state_dict(state["collector"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
+        np.random.set_state(numpy_state(state["rng"]["numpy"]))
         self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
-        self.hooks.load_state_dict(state.get("algorithm", {}))
         self.last_checkpoint = Path(path)
 
-    # ------------------------------------------------------------------ loop
-    def train(self) -> dict:
-        from torch.utils.tensorboard import SummaryWriter
+    def close(self) -> None:
+        """Release the run directory's lock (also done at exit) and the signal handlers."""
+        if getattr(self, "lock", None) is not None:
+            self.lock.release()
+        if getattr(self, "signals", None) is not None:
+            self.signals.uninstall()
 
+    def _stop_if_signalled(self) -> None:
+        """After an iteration: if SIGINT / SIGTERM came (to rank 0), every rank saves a checkpoint of
+        it (unless the periodic one just did) and raises :class:`~torchrl_agent.trainers.run_dir.RunInterrupted`."""
+        signum = self.signals.requested if is_main_process() else None
+        if is_distributed():
+            signum = broadcast_object(signum)
+        if signum is None:
+            return
+        self.signals.requested = signum
+        done = self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt"
+        if self.last_checkpoint != done:
+            self.save_checkpoint(done)
+        raise self.signals.stop_message(self.run_dir, done, self.iteration)
+
+    # ------------------------------------------------------------------ loop
+    def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
+        """This iteration's training rows, with their advantages, on every rank; and their metrics.
+
+        Every rank collects its share of the groups with its own engine and receives the others'
+        rows (:class:`~torchrl_agent.collectors.DistributedStepCollector`; in a single process the
+        :class:`~torchrl_agent.collectors.StepCollector` collects them all), through
+        :meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithms.AlgorithmHooks.collect>`;
+        then every rank leaves out the faulted episodes and computes the advantages on the same
+        rows. ``None`` rows: every episode of the batch faulted, no update this iteration."""
+        rows, sampling = self.hooks.collect(self.collector)
+        rows, faults = self._drop_faulted(rows)
+        metrics = {**faults, **sampling}
+        if rows is None:
+            return None, metrics
+        rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
+        metrics.update(episode_metrics(rows), **prepared)
+        return rows, metrics
+
+    def train(self) -> dict:
+        """Runs the iterations (every rank under torchrun; rank 0 alone logs and plots);
+        returns the run summary on rank 0 (``{}`` on the other ranks)."""
         cfg = self.cfg
-        if not is_main_process():
-            return self._train_worker()
-        writer = SummaryWriter(str(self.run_dir / "tensorboard"))
-        self.wandb = self._init_wandb()
+        main = is_main_process()
+        writer = metrics_file = None
+        # SIGINT / SIGTERM stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
+        self.signals.install()
+        if main:
+            # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
+            writer = open_tensorboard(self.run_dir / "tensorboard")
+            self.wandb = init_wandb(cfg, self.run_dir)
+            self.wandb = None if self.wandb is None else GuardedSink("W&B", self.wandb)
         t_start = time.perf_counter()
         summary: dict = {"run_dir": str(self.run_dir), "env": cfg.env.name, "algorithm": cfg.algorithm.name}
         start = 0
         if self.resume_path is not None:
             self.load_checkpoint(self.resume_path)
             start = self.iteration + 1
-            logger.info("resumed from %s at iteration %d", self.resume_path, start)
-        metrics_file = self._open_metrics(keep_through=start - 1)
+            if main:
+                logger.info("resumed from %s at iteration %d", self.resume_path, start)
+        if main:
+            metrics_file = self._open_metrics(keep_through=start - 1)
         if self.resume_path is None and cfg.warm_start.steps > 0:
-            # the untrained policy's held-out success, plotted at iteration -1
-            self.evals.append((-1, self.evaluate()["eval_success"]))
+            success = self.evaluate()["eval_success"]  # every rank plays its share of the panel
+            if main:  # the untrained policy's held-out success, plotted at iteration -1
+                self.evals.append((-1, success))
             summary.update(self.warm_start())
             self.sync_weights()
-            logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
+            if main:
+                logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         evals = self.evals
         try:
             for it in range(start, cfg.iterations):
@@ -616,35 +519,51 @@ class Trainer:
                 if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
                     record.update(self.evaluate())
                     evals.append((it, record["eval_success"]))
-                rows, sampling = self.hooks.collect(self.collector)
-                rows, faults = self._drop_faulted(rows)
-                record.update(faults, **sampling)
+                rows, collected = self.collect_rows()
+                record.update(collected)
                 if rows is not None:
-                    rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
-                    rows = broadcast_object(rows)  # to every rank (as is in a single process)
-                    record.update(episode_metrics(rows), **prepared)
                     record.update(self.update(rows))
-                else:
-                    broadcast_object(None)
-                stats = self.collector.stats
-                record.update(env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
-                              generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
-                              prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
-                self._log(record, writer, metrics_file)
+                if main:
+                    stats = self.collector.stats
+                    record.update(env_steps=stats["env_steps"],  # rows collected (with fault_rows_dropped: none lost)
+                                  env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
+                                  generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
+                                  prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
+                    self._log(record, writer, metrics_file)
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     self._periodic_checkpoint()
-        except Exception as err:
-            logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %d are in %s; "
-                         "last good checkpoint: %s", self.iteration, type(err).__name__, err, self.iteration - 1,
-                         self.run_dir / "metrics.jsonl", self.last_checkpoint or "none (set checkpoint_every)")
-            metrics_file.close()
+                self._stop_if_signalled()  # SIGINT / SIGTERM: a checkpoint, then RunInterrupted
+        except RunInterrupted:
+            if main:
+                metrics_file.close()
+            self.close()
             raise
-        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        except Exception as err:
+            if main:
+                logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %s are in %s; "
+                             "last good checkpoint: %s", self.iteration, type(err).__name__, err,
+                             max(metrics_iterations(self.run_dir), default="none"), self.run_dir / "metrics.jsonl",
+                             self.last_checkpoint or "none (set checkpoint_every)")
+                with contextlib.suppress(OSError):  # a full disk: the buffered line cannot be flushed either
+                    metrics_file.close()
+            self.close()
+            raise
+        try:
+            self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
+        except CheckpointError as err:  # training is done: the final evaluation and the summary still come
+            logger.error("%s", err)
+            summary["checkpoint_error"] = str(err)
+        if cfg.collector.kind != "step":
+            self.collector.shutdown()  # its processes / actors
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
+        if not main:
+            self.close()
+            return {}
         evals.append((cfg.iterations, final["eval_success"]))
         self._log(final, writer, metrics_file)
-        writer.close()
+        if writer is not None:
+            writer.close()
         metrics_file.close()
         summary.update(
             iterations=cfg.iterations,
@@ -655,58 +574,35 @@ class Trainer:
             train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
             wall_s=round(time.perf_counter() - t_start, 1),
         )
-        self._plot(evals)
+        try:
+            plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
+                                f"{cfg.env.name} / {cfg.algorithm.name}")
+        except OSError as err:  # a full disk: the plot is a view of metrics.jsonl
+            logger.error("learning_curve.png not written (%s)", err)
+        self.close()
         return summary
-
-    def _train_worker(self) -> dict:
-        """Ranks > 0 under torchrun: the collective calls of rank 0's :meth:`train`, nothing else."""
-        cfg = self.cfg
-        start = 0
-        if self.resume_path is not None:
-            self.load_checkpoint(self.resume_path)
-            start = self.iteration + 1
-        elif cfg.warm_start.steps > 0:
-            self.warm_start()
-            self.sync_weights()
-        for it in range(start, cfg.iterations):
-            self.iteration = it
-            rows = broadcast_object(None)
-            if rows is not None:  # None: every episode of the batch faulted, no update
-                self.update(rows)
-            if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
-                self.save_checkpoint()
-        self.save_checkpoint(self.run_dir / "checkpoints" / "last.pt")
-        return {}
 
     # ------------------------------------------------------------------ run directory, faults, logs
     def _check_run_dir(self) -> Path | None:
-        """The checkpoint to resume from (``resume=``: a file, a run directory, or ``auto``); refuses
-        a ``run_dir`` that already holds a run when ``resume=`` is not set."""
-        if self.cfg.resume is None:
-            used = [name for name in ("metrics.jsonl", "checkpoints") if (self.run_dir / name).exists()]
-            if used:
-                raise ValueError(f"run_dir={self.run_dir} already holds a run ({', '.join(used)}): pass "
-                                 "resume=auto to continue it, or choose another run_dir")
-            return None
-        path = resolve_resume(self.cfg.resume, str(self.run_dir))
-        if path is None:
-            logger.info("resume=auto: no checkpoint in %s, starting a new run", self.run_dir)
-        return path
+        """The checkpoint to resume from (``resume=``: a file, a run directory, or ``auto``), read
+        and verified, its model checked against this one; refuses a ``run_dir`` that already holds a
+        run when ``resume=`` is not set (:func:`~torchrl_agent.trainers.run_dir.check_run_dir`)."""
+        self._resume_state = None
+        path = None
+        if is_main_process():
+            path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
+            if self._resume_state is not None:
+                check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
+                                  path, self._resume_state.get("config"))
+            for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
+                stale.unlink(missing_ok=True)
+        path = broadcast_object(None if path is None else str(path))
+        return None if path is None else Path(path)
 
     def _open_metrics(self, keep_through: int):
-        """``metrics.jsonl`` for appending, cut to the lines of iterations ``<= keep_through`` (a
-        resumed run rewrites what came after its checkpoint; a line cut short by a kill is dropped)."""
-        path = self.run_dir / "metrics.jsonl"
-        if path.exists():
-            kept = []
-            for line in path.read_text().splitlines():
-                try:
-                    if json.loads(line)["iteration"] <= keep_through:
-                        kept.append(line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue
-            path.write_text("".join(kept))
-        return open(path, "a")
+        """``metrics.jsonl`` for appending, holding exactly the records of the checkpoint resumed from
+        (iterations ``<= keep_through``; none for a new run), so a resumed run repeats and skips none."""
+        return open_metrics(self.run_dir, [h for h in self.history if h["iteration"] <= keep_through])
 
     def _periodic_checkpoint(self) -> None:
         """A periodic checkpoint that cannot be written is reported and the run goes on (the
@@ -747,54 +643,12 @@ class Trainer:
         return (rows if bool(keep.all()) else rows[keep.nonzero().reshape(-1)]), out
 
     def _log(self, record: dict, writer, metrics_file) -> None:
-        record, bad = _finite_json(record)
+        """One iteration's metrics: kept in ``history``, written (:mod:`.loggers`), shown on the console."""
+        record, bad = finite_record(record)
         if bad:  # strict JSON: NaN/inf are written as null, counted and warned about
             self.nonfinite_metrics += len(bad)
             record["nonfinite_metrics"] = len(bad)
             logger.warning("iteration %d: non-finite metrics written as null: %s", record["iteration"], bad)
         self.history.append(record)
-        metrics_file.write(json.dumps(record, allow_nan=False) + "\n")
-        metrics_file.flush()
-        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and math.isfinite(v)}
-        for k, v in scalars.items():
-            writer.add_scalar(k, v, record["iteration"])
-        if getattr(self, "wandb", None) is not None:
-            self.wandb.log(scalars, step=record["iteration"] + 1)
-        shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
-                 if k in ("iteration", "success", "episode_reward", "action_valid", "loss", "tokens_per_s",
-                          "eval_success", "iteration_s")}
-        print("metrics " + json.dumps(shown), flush=True)
-
-    def _init_wandb(self):
-        """A Weights & Biases run when ``wandb.project`` is set and ``wandb`` is installed."""
-        if not self.cfg.wandb.project:
-            return None
-        try:
-            import wandb
-        except ImportError:
-            logger.warning("wandb.project is set but wandb is not installed: logging to JSONL and TensorBoard only")
-            return None
-        return wandb.init(project=self.cfg.wandb.project, entity=self.cfg.wandb.entity, mode=self.cfg.wandb.mode,
-                          dir=str(self.run_dir), config=dataclasses.asdict(self.cfg))
-
-    def _plot(self, evals) -> None:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:  # plotting is a nicety: never fail a run for it
-            return
-        fig, ax = plt.subplots(figsize=(5, 3.2))
-        train = [(h["iteration"], h["success"]) for h in self.history if "success" in h]
-        if train:
-            ax.plot(*zip(*train), label="train success")
-        ax.plot(*zip(*evals), marker="o", label="held-out success")
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("success rate")
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{self.cfg.env.name} / {self.cfg.algorithm.name}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(self.run_dir / "learning_curve.png", dpi=120)
-        plt.close(fig)
+        write_record(record, metrics_file, writer, getattr(self, "wandb", None))
+        print(console_line(record), flush=True)

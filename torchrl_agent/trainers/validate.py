@@ -1,47 +1,60 @@
 """Every value of a run config checked at start, with the key's name in the message.
 
 Hydra checks the keys and their types against :mod:`~torchrl_agent.trainers.config`; this module
-checks the values: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``, sizes ``>= 1``, rates
-finite and ``> 0``), that a template string holds the ``{observation}`` placeholder, and that the
-files a run reads (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config`
-is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
+checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``,
+sizes ``>= 1``, rates finite and ``> 0``), names from a fixed set (``memory.kind``,
+``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
+``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
+that a template string holds the ``{observation}`` placeholder, and that the files a run reads
+(``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
-It also finds the checkpoint a ``resume=`` value means (:func:`resolve_resume`): a ``.pt`` file,
-a run directory (its newest complete checkpoint) or ``auto`` (the newest one in ``run_dir``).
+Which checkpoint a ``resume=`` value means, and whether it verifies, is
+:mod:`~torchrl_agent.trainers.checkpointing`'s (here only: the file or folder exists).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
-__all__ = ["ConfigError", "resolve_resume", "newest_checkpoint", "validate_config"]
+from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
+from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
+from torchrl_agent.trainers.config import ConfigError
 
-
-class ConfigError(ValueError):
-    """A config value out of its range; the message starts with the key."""
+__all__ = ["ConfigError", "validate_config"]
 
 
 # key -> (lower bound, inclusive?) ; None values are allowed where the schema says Optional
 _AT_LEAST = {
-    "iterations": 0, "eval_every": 0, "checkpoint_every": 0,
+    "iterations": 0, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
+    "rollout.tensor_parallel_size": 1, "rollout.max_num_seqs": 1, "rollout.max_model_len": 2,
     "algorithm.epochs": 1, "algorithm.minibatch_size": 1, "algorithm.micro_batch_tokens": 1,
     "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1,
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
+    "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
 }
 # finite and > 0
-_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr")
+_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
                  "algorithm.grad_clip")
+
+
+# key -> its valid values
+_CHOICES = {
+    "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
+    "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
+}
 
 
 def _get(cfg, dotted: str):
@@ -70,20 +83,78 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     if cfg.algorithm.dual_clip is not None and not (math.isfinite(cfg.algorithm.dual_clip)
                                                     and cfg.algorithm.dual_clip > 1):
         raise ConfigError(f"algorithm.dual_clip={cfg.algorithm.dual_clip}: must be > 1 (or null: no dual clip)")
-    for key in ("algorithm.lr_warmup_ratio", "algorithm.similarity_threshold", "warm_start.expert_noise"):
+    gpu_fraction = _get(cfg, "rollout.gpu_memory_utilization")
+    if gpu_fraction is not None and not (math.isfinite(gpu_fraction) and 0 < gpu_fraction <= 1):
+        raise ConfigError(f"rollout.gpu_memory_utilization={gpu_fraction}: must be in (0, 1]")
+    for key in ("algorithm.lr_warmup_ratio", "warm_start.expert_noise", "algorithm.gamma", "algorithm.lmbda"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")
-    if not 0 <= cfg.algorithm.gamma <= 1:
-        raise ConfigError(f"algorithm.gamma={cfg.algorithm.gamma}: must be in [0, 1]")
+    for key, valid in _CHOICES.items():
+        value = _get(cfg, key)
+        if value is not None and value not in valid:
+            raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
+    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
+        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    _check_collector(cfg)
+    _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:
         if cfg.model.path is not None and _looks_like_path(cfg.model.path) and not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path={cfg.model.path}: no such folder")
         if cfg.eval.checkpoint is not None and not Path(cfg.eval.checkpoint).is_file():
             raise ConfigError(f"eval.checkpoint={cfg.eval.checkpoint}: no such file")
-        if cfg.resume is not None:
-            resolve_resume(cfg.resume, cfg.run_dir)
+        if cfg.resume == "auto" and cfg.run_dir is None:
+            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
+        if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
+            raise ConfigError(f"resume={cfg.resume}: no such file or directory")
+        if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
+            raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
+
+
+def _check_collector(cfg) -> None:
+    """The ``collector`` section against the engine, the groups and the launch."""
+    c = _get(cfg, "collector")
+    if c is None or c.kind == "step":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"collector.kind={c.kind} is not supported under torchrun: use collector.kind=step "
+                          "(every rank collects its share of the groups with its own engine)")
+    if c.kind == "multiprocess" and cfg.rollout.engine != "vllm":
+        raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm")
+    if c.num_collectors > cfg.env.num_groups:
+        raise ConfigError(f"collector.num_collectors={c.num_collectors}: at most env.num_groups={cfg.env.num_groups} "
+                          "(every collector steps whole groups)")
+    if cfg.algorithm.name in ALGORITHM_REGISTRY and ALGORITHM_REGISTRY[cfg.algorithm.name].baseline is not None:
+        raise ConfigError(f"collector.kind={c.kind} with algorithm.name={cfg.algorithm.name}: its baseline episodes "
+                          "replay the training env's group seeds in the trainer's process; use collector.kind=step")
+    if cfg.memory.kind == "summary":
+        raise ConfigError(f"collector.kind={c.kind} with memory.kind=summary: the collector processes have no "
+                          "summarising policy; use collector.kind=step")
+
+
+def _check_algorithm(cfg) -> None:
+    """The ``algorithm`` section: a registered name, the KL options, and the algorithm's own checks."""
+    a = cfg.algorithm
+    if a.name not in ALGORITHM_REGISTRY:
+        raise ConfigError(f"algorithm.name: unknown algorithm {a.name!r}; valid: {', '.join(ALGORITHM_REGISTRY)}")
+    for key in ("kl_type", "kl_reward_type"):
+        if getattr(a, key) not in KL_TYPES:
+            raise ConfigError(f"algorithm.{key}: unknown KL estimator {getattr(a, key)!r}; valid: {', '.join(KL_TYPES)}")
+    if a.kl_ctrl not in ("fixed", "adaptive"):
+        raise ConfigError(f"algorithm.kl_ctrl: must be fixed or adaptive, got {a.kl_ctrl!r}")
+    if a.kl_ctrl == "adaptive" and (a.kl_target <= 0 or a.kl_horizon <= 0):
+        raise ConfigError("algorithm.kl_target and algorithm.kl_horizon must be > 0 for kl_ctrl=adaptive")
+    if a.similarity_threshold is not None and not 0.0 < a.similarity_threshold <= 1.0:
+        raise ConfigError(f"algorithm.similarity_threshold={a.similarity_threshold}: must be in (0, 1] or null")
+    if a.value_clip is not None and not (math.isfinite(a.value_clip) and a.value_clip > 0):
+        raise ConfigError(f"algorithm.value_clip={a.value_clip}: must be > 0 (or null: no value clipping)")
+    if a.kl_in_reward and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("algorithm.kl_in_reward is not supported under torchrun yet (the sharded reference "
+                          "cannot run on rank 0 alone); use it in a single process or use algorithm.kl_coef")
+    check = ALGORITHM_REGISTRY[a.name].check
+    if check is not None:
+        check(cfg)
 
 
 def _looks_like_path(value: str) -> bool:
@@ -100,34 +171,3 @@ def _check_template(template) -> None:
     if "{observation}" not in template:
         raise ConfigError(f"env.template={template!r}: neither a template name ({', '.join(names)}) "
                           "nor a template string with the {observation} placeholder")
-
-
-def newest_checkpoint(folder: str | Path) -> Path | None:
-    """The newest complete checkpoint (``*.pt``; a ``.tmp`` is a write that did not finish) under
-    ``folder`` or ``folder/checkpoints``; ``None`` when there is none."""
-    folder = Path(folder)
-    found = [p for d in (folder, folder / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file()]
-    if not found:
-        return None
-    return max(found, key=lambda p: (p.stat().st_mtime_ns, p.name == "last.pt", p.name))
-
-
-def resolve_resume(resume: str | None, run_dir: str | None) -> Path | None:
-    """The checkpoint file ``resume=`` points at: a ``.pt`` file, a run directory (its newest
-    checkpoint) or ``auto`` (the newest checkpoint of ``run_dir``; ``None`` when it has none, then
-    the run starts fresh)."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        if run_dir is None:
-            raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
-        return newest_checkpoint(run_dir)
-    path = Path(resume)
-    if path.is_file():
-        return path
-    if path.is_dir():
-        found = newest_checkpoint(path)
-        if found is None:
-            raise ConfigError(f"resume={resume}: no checkpoint (*.pt) in {path} or {path / 'checkpoints'}")
-        return found
-    raise ConfigError(f"resume={resume}: no such file or directory")

@@ -23,26 +23,18 @@ import torch
 from tensordict import TensorDict, TensorDictBase, lazy_stack
 from torchrl.envs.utils import step_mdp
 
-from torchrl_agent.envs.transforms.projection import expert_response as response_for
-from torchrl_agent.envs.transforms.projection import resolve_format
+from torchrl_agent.envs.factory import build_env
+from torchrl_agent.envs.transforms.projection import expert_response, resolve_format
 
-__all__ = ["expert_response", "expert_rows", "supervised_step"]
+__all__ = ["expert_response", "expert_rows", "supervised_step"]  # expert_response: the projection's
 
 WARM_START_SEED_OFFSET = 1_000_003
-
-
-def expert_response(action: str, fmt: str = "tags", think: str | None = None) -> str:
-    """The response text that projects to ``action`` in format ``fmt`` (resolved by the projection);
-    ``think`` is the text inside ``<think> </think>`` (``{action}`` is filled in; ``""``: empty)."""
-    return response_for(action, fmt, think)
 
 
 @torch.no_grad()
 def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
     """Rows ``[N]`` with ragged ``("tokens", "prompt")`` and ``("tokens", "response")`` from
     expert episodes of the configured environment (steps without an expert action are skipped)."""
-    from torchrl_agent.trainers.trainer import build_env
-
     env = build_env(dataclasses.replace(cfg, seed=cfg.seed + WARM_START_SEED_OFFSET), tokenizer)
     n = env.batch_size[0]
     noise = cfg.warm_start.expert_noise

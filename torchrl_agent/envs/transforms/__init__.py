@@ -15,14 +15,14 @@ from torchrl_agent.envs.transforms.projection import (
     project_action,
     resolve_format,
 )
-from torchrl_agent.envs.transforms.prompt import (
+from torchrl_agent.envs.transforms.prompt import PromptTransform
+from torchrl_agent.envs.transforms.summary import SummaryMemory
+from torchrl_agent.envs.transforms.templates import (
     PROMPT_TEMPLATES,
     REFERENCE_TEMPLATES,
-    PromptTransform,
     ReferenceTemplate,
     resolve_template,
 )
-from torchrl_agent.envs.transforms.summary import SummaryMemory
 
 __all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "REFERENCE_FORMATS", "REFERENCE_TEMPLATES", "ActionProjection",
            "FullHistory", "MemoryTransform", "NoHistory", "PromptTransform", "ReferenceTemplate", "SummaryMemory",

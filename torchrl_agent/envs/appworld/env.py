@@ -1,60 +1,22 @@
-"""AppWorld: complete a user's day-to-day task by writing Python against 9 real apps' APIs.
-
-Each game runs in AppWorld's own sandbox (``appworld`` package, Trivedi et al. 2024): an IPython
-shell with AppWorld's safety guard and frozen clock, where ``apis.<app>.<api>(...)`` calls the
-apps (Simple Note, Spotify, Venmo, Gmail, ...) on their SQLite databases.
-
-* the **action** is Python code: the content of the first ``<code>...</code>`` in the action
-  string, or the whole string when it has no such tags. Its printed output (or AppWorld's error
-  message) is the next observation. Any string is accepted: code that fails is answered with the
-  traceback, as AppWorld does;
-* the episode ends when the code calls ``apis.supervisor.complete_task(...)`` (or after 50
-  steps); then the task is checked (AppWorld's evaluator on its own tasks, the task's checker on
-  the project's tasks) and the reward is **10 on success**, 0 otherwise (the reference's rule);
-* ``task`` holds the supervisor's details and the instruction (the reference puts both in every
-  prompt); ``admissible_actions`` and ``expert_action`` are ``""``; ``task_type`` is the task's
-  scenario (the part of its id before ``_``).
-
-Tasks: with AppWorld's data (``appworld download data``; ``data_dir=`` the folder that holds
-``data/``) the train split is AppWorld's ``train`` set and the eval split its ``test_normal``
-set, checked by AppWorld's evaluator. Without it, the env uses tasks written for this project
-against the real Simple Note and supervisor APIs (``data/appworld/tasks.json`` in the package):
-their databases are built once per machine from each task's records plus AppWorld's own model
-factories, and each task has a checker run on the databases after the episode.
-
-Running AppWorld: ``appworld`` pins ``pydantic<2`` (and ``fastapi``/``SQLAlchemy`` versions)
-that cannot share an environment with vLLM, so it lives in its own virtual environment
-(``make appworld`` creates ``.venv-appworld`` and runs ``appworld install``). Each game talks to a
-worker process on that Python (:mod:`torchrl_agent.envs.appworld_worker`) over JSON lines, as the
-reference talks to one AppWorld server per environment. A worker that dies or stops answering
-ends its episode (observation says why, reward 0) and is restarted at the next reset.
-"""
+"""The AppWorld game (one task on a worker process) and its batched env."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import logging
 import os
 import re
-import select
 import shutil
-import subprocess
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
+from torchrl_agent.envs.appworld.client import AppWorldWorker, appworld_python
+from torchrl_agent.envs.appworld.tasks import build_project_root, check_appworld_tasks, load_project_tasks
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame, _as_str_list
 
-__all__ = ["AppWorldEnv", "AppWorldGame", "AppWorldWorker", "load_project_tasks", "parse_code", "appworld_python"]
+__all__ = ["AppWorldEnv", "AppWorldGame", "parse_code"]
 
-logger = logging.getLogger(__name__)
-
-TASKS_FILE = Path(__file__).parent / "data" / "appworld" / "tasks.json"
-WORKER_SCRIPT = Path(__file__).with_name("appworld_worker.py")
 _CODE = re.compile(r"<code>(.*?)</code>", re.DOTALL | re.IGNORECASE)
 _FENCE = re.compile(r"^```(?:python|py)?\s*\n(.*?)\n?```\s*$", re.DOTALL)
 
@@ -65,127 +27,6 @@ def parse_code(action: str) -> str:
     code = match.group(1) if match else action
     fence = _FENCE.match(code.strip())
     return fence.group(1) if fence else code.strip("\n")
-
-
-#: Where ``make appworld`` puts AppWorld's Python.
-DEFAULT_PYTHON = Path(__file__).resolve().parents[2] / ".venv-appworld" / "bin" / "python"
-
-
-def appworld_python(python: str | os.PathLike | None = None) -> Path:
-    """The Python that has ``appworld`` installed: ``python``, ``$TORCHRL_AGENT_APPWORLD_PYTHON``, or ``.venv-appworld``."""
-    given = python or os.environ.get("TORCHRL_AGENT_APPWORLD_PYTHON")
-    if given:
-        if not Path(given).is_file():
-            raise FileNotFoundError(f"AppWorld python {given} does not exist")
-        return Path(given)
-    if DEFAULT_PYTHON.is_file():
-        return DEFAULT_PYTHON
-    raise FileNotFoundError(
-        "AppWorld needs its own Python environment (appworld pins pydantic<2, which vLLM cannot share): "
-        "run `make appworld` (creates .venv-appworld and runs `appworld install`), or pass python=/path/to/python "
-        "or set TORCHRL_AGENT_APPWORLD_PYTHON"
-    )
-
-
-def load_project_tasks() -> list[dict]:
-    """The AppWorld tasks written for this project (records, instruction, checker), in file order."""
-    return json.loads(TASKS_FILE.read_text(encoding="utf-8"))["tasks"]
-
-
-class AppWorldWorker:
-    """One worker process on AppWorld's Python, spoken to with JSON lines (see :mod:`~torchrl_agent.envs.appworld_worker`)."""
-
-    def __init__(self, python: Path, *, timeout: float = 300.0, log_path: Path | None = None):
-        self.python, self.timeout, self.log_path = Path(python), float(timeout), log_path
-        self.process: subprocess.Popen | None = None
-
-    def _start(self) -> None:
-        stderr = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": ""}
-        self.process = subprocess.Popen([str(self.python), str(WORKER_SCRIPT)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=stderr, env=env, text=True, bufsize=1)
-        if stderr is not subprocess.DEVNULL:
-            stderr.close()
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def send(self, request: dict) -> None:
-        if not self.alive:
-            self._start()
-        try:
-            self.process.stdin.write(json.dumps(request) + "\n")
-            self.process.stdin.flush()
-        except (BrokenPipeError, OSError) as err:
-            self.kill()
-            raise RuntimeError(f"AppWorld worker is gone ({err})") from err
-
-    def receive(self, timeout: float | None = None) -> dict:
-        timeout = self.timeout if timeout is None else timeout
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        line = self.process.stdout.readline() if ready else ""
-        if not line:
-            code = self.process.poll()
-            self.kill()
-            raise RuntimeError("AppWorld worker " + (f"exited with code {code}" if code is not None
-                                                     else f"did not answer within {timeout:.0f} s"))
-        reply = json.loads(line)
-        if not reply.get("ok"):
-            raise RuntimeError(f"AppWorld: {reply.get('error')}")
-        return reply
-
-    def request(self, request: dict, timeout: float | None = None) -> dict:
-        self.send(request)
-        return self.receive(timeout)
-
-    def kill(self) -> None:
-        if self.process is not None:
-            if self.process.poll() is None:
-                self.process.kill()
-            self.process.wait()
-            for stream in (self.process.stdin, self.process.stdout):
-                try:
-                    stream.close()
-                except OSError:
-                    pass
-        self.process = None
-
-    def close(self) -> None:
-        if self.alive:
-            try:
-                self.request({"op": "close"}, timeout=30)
-            except (RuntimeError, ValueError):
-                pass
-        self.kill()
-
-
-def _default_cache_dir() -> Path:
-    return Path(os.environ.get("TORCHRL_AGENT_CACHE", Path.home() / ".cache" / "torchrl_agent"))
-
-
-def build_project_root(python: Path, cache_dir: str | os.PathLike | None = None) -> Path:
-    """The AppWorld data folder of the project's tasks, built once (about 20 s) and cached."""
-    tasks_text = TASKS_FILE.read_bytes()
-    key = hashlib.blake2b(tasks_text + WORKER_SCRIPT.read_bytes() + str(python).encode(), digest_size=8).hexdigest()
-    root = Path(cache_dir or _default_cache_dir()) / "appworld" / f"project-{key}"
-    if (root / "data" / "tasks").is_dir():
-        return root
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=root.name + ".", dir=root.parent))
-    worker = AppWorldWorker(python, timeout=600, log_path=tmp / "worker.log")
-    try:
-        worker.request({"op": "build", "root": str(tmp), "tasks": load_project_tasks()})
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        worker.close()
-    try:
-        os.rename(tmp, root)
-    except OSError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return root
 
 
 class AppWorldGame(TextGame):
@@ -273,7 +114,7 @@ class AppWorldGame(TextGame):
 
 
 class AppWorldEnv(TextEnv):
-    """A batch of AppWorld games (one worker process each). See the module doc for the rules.
+    """A batch of AppWorld games (one worker process each). See :mod:`torchrl_agent.envs.appworld` for the rules.
 
     Args:
         data_dir: the folder that holds AppWorld's ``data/`` (``appworld download data``); ``None``
@@ -306,15 +147,19 @@ class AppWorldEnv(TextEnv):
                 raise FileNotFoundError(f"data_dir {root} has no data/tasks folder (run `appworld download data` there)")
             checks: dict[str, dict] = {}
             if task_ids is None:
+                dataset = eval_dataset if split == "eval" else train_dataset
+                dataset_file = root / "data" / "datasets" / f"{dataset}.txt"
+                if not dataset_file.is_file():
+                    raise FileNotFoundError(f"AppWorld dataset {dataset!r} has no file {dataset_file}")
                 lister = AppWorldWorker(self.python, timeout=timeout)
                 try:
-                    dataset = eval_dataset if split == "eval" else train_dataset
                     task_ids = lister.request({"op": "list", "root": str(root), "dataset": dataset})["task_ids"]
                 finally:
                     lister.close()
+            check_appworld_tasks(root, list(task_ids))
         else:
+            tasks = load_project_tasks()  # checked before the (slow) build of their data folder
             root = build_project_root(self.python, cache_dir)
-            tasks = load_project_tasks()
             checks = {t["id"]: t["check"] for t in tasks}
             if task_ids is None:
                 task_ids = [t["id"] for t in tasks if t["split"] == ("test" if split == "eval" else "train")]

@@ -1,0 +1,347 @@
+"""Chaos run: a training run on the smoke config while a supervisor injects faults on a seeded
+schedule, then checks that nothing written was lost or left inconsistent.
+
+The trainer runs as a child process (``python -m torchrl_agent.trainers.cli train``, the smoke
+experiment with ``checkpoint_every=1`` and ``env.num_workers=2``). The supervisor watches
+``metrics.jsonl`` and, when the iteration of a scheduled fault is done, injects it for real:
+
+- ``trainer_kill``: SIGKILL of the trainer at a random moment of the next iteration (mid-update,
+  mid-checkpoint-write), then a restart with ``resume=auto``;
+- ``worker_kill``: SIGKILL of one of the trainer's env worker processes (the env restarts it, the
+  episodes it was running are left out of training, ``env_faults`` in the metrics);
+- ``corrupt_checkpoint``: the trainer is stopped (SIGSTOP), 16 bytes in the middle of its newest
+  checkpoint are flipped, the trainer is killed and restarted with ``resume=auto``, which must skip
+  that checkpoint (named in its log) and continue from the one before;
+- ``disk_full``: the filesystem of the checkpoints folder (a tmpfs mounted for the run when the
+  supervisor may mount, else the trainer's file-size limit via ``prlimit``: EFBIG) is filled just
+  below one checkpoint's size for one checkpoint write: the write is refused, the run goes on.
+
+Collector-process kills (``MultiProcessStepCollector``'s engine server and collector processes,
+Ray actors) are not in this run: the smoke trainer collects in its own process. They are caused
+for real in ``tests/test_faults_collectors.py``.
+
+A fault is *survived* when it had its designed outcome (named above) and the run then finished.
+At the end: ``metrics_consistent`` (the metrics lines are iterations ``0..N-1`` once each plus the
+final evaluation, and equal the records stored in ``last.pt``), ``rows_lost_beyond_faulted``
+(summed over iterations: rows collected - rows trained - rows left out for a fault; 0 when only
+faulted episodes were lost) and, for ``--schedule kill-only``, ``final_weights_equal_clean_run``
+(the final weights against an unfaulted run of the same seed; ``null`` for schedules with
+other faults, whose dropped episodes change the training). Prints one JSON object as its LAST line::
+
+    python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0
+    python benchmarks/chaos.py --iterations 30 --schedule kill-only --seed 0
+    python benchmarks/chaos.py --schedule short     # 4 iterations: one kill + resume, one corrupted checkpoint
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SMOKE = ["experiment=smoke", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
+         "env.max_steps=3", "rollout.max_new_tokens=6", "progress=false", "warm_start.steps=0", "checkpoint_every=1",
+         "env.num_workers=2"]
+SCHEDULES = {
+    "mixed": ["trainer_kill", "trainer_kill", "worker_kill", "worker_kill", "corrupt_checkpoint", "disk_full"],
+    "kill-only": ["trainer_kill", "trainer_kill", "trainer_kill"],
+    "short": ["trainer_kill", "corrupt_checkpoint"],
+}
+
+
+def _metrics(run: Path) -> list[dict]:
+    out = []
+    path = run / "metrics.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def _is_env_worker(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"resource_tracker" not in cmdline and b"semaphore_tracker" not in cmdline
+
+
+def _newest_checkpoint(folder: Path) -> Path | None:
+    found = sorted(folder.glob("iteration_*.pt"))
+    return found[-1] if found else None
+
+
+class Disk:
+    """The checkpoints folder's filesystem, to fill for one write: a tmpfs when mounting is allowed,
+    else the trainer's RLIMIT_FSIZE (set on the running process with prlimit)."""
+
+    def __init__(self, folder: Path, mb: int):
+        self.folder, self.ballast, self.limited = folder, folder / "ballast.bin", None
+        folder.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mb}m", "tmpfs", str(folder)],
+                              capture_output=True)
+        self.method = "tmpfs" if done.returncode == 0 else "rlimit_fsize"
+
+    def fill(self, pid: int, checkpoint_bytes: int) -> None:
+        if self.method == "tmpfs":
+            leave = checkpoint_bytes // 2
+            with open(self.ballast, "wb") as f:
+                try:
+                    while (free := shutil.disk_usage(self.folder).free) > leave:
+                        f.write(b"\0" * min(1 << 20, max(4096, free - leave)))
+                        f.flush()
+                except OSError:
+                    pass
+        else:
+            self.limited = (pid, resource.prlimit(pid, resource.RLIMIT_FSIZE))
+            resource.prlimit(pid, resource.RLIMIT_FSIZE, (checkpoint_bytes // 2, self.limited[1][1]))
+
+    def free(self) -> None:
+        self.ballast.unlink(missing_ok=True)
+        if self.limited is not None:
+            pid, limits = self.limited
+            try:
+                resource.prlimit(pid, resource.RLIMIT_FSIZE, limits)
+            except ProcessLookupError:
+                pass
+            self.limited = None
+
+    def close(self) -> None:
+        self.free()
+        if self.method == "tmpfs":
+            subprocess.run(["umount", "-l", str(self.folder)], check=False)
+
+
+class Supervisor:
+    def __init__(self, run: Path, overrides: list[str], logs: Path):
+        self.run, self.overrides, self.logs = run, overrides, logs
+        self.launches: list[dict] = []
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, resume: bool) -> None:
+        log = self.logs / f"launch_{len(self.launches)}.log"
+        args = [sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *self.overrides, f"run_dir={self.run}"]
+        if resume:
+            args.append("resume=auto")
+        handle = open(log, "w")
+        self.proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT)
+        self.launches.append({"log": log, "handle": handle, "resume": resume, "pid": self.proc.pid})
+
+    def log_text(self, index: int) -> str:
+        return self.launches[index]["log"].read_text(errors="replace")
+
+    def wait_exit(self, timeout: float = 60) -> int:
+        code = self.proc.wait(timeout)
+        self.launches[-1]["handle"].close()
+        self.launches[-1]["code"] = code
+        return code
+
+
+def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path | None = None) -> dict:
+    rng = random.Random(seed)
+    kinds = list(SCHEDULES[schedule])
+    rng.shuffle(kinds)
+    # the faults at distinct iterations, spaced (each one's outcome is seen before the next)
+    slots = list(range(1, iterations - 1))
+    step = max(1, len(slots) // len(kinds))
+    at = [slots[min(len(slots) - 1, i * step + rng.randrange(step))] for i in range(len(kinds))]
+    events = [{"kind": k, "after_iteration": it, "fired": False, "survived": False} for k, it in zip(kinds, at)]
+    run, logs = out / "run", out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    disk = Disk(run / "checkpoints", mb=256) if "disk_full" in kinds else None
+    overrides = [*SMOKE, f"iterations={iterations}", f"seed={seed}"]
+    sup = Supervisor(run, overrides, logs)
+    resumes, deadline = 0, time.monotonic() + 3600
+    sup.start(resume=disk is not None)  # a mounted checkpoints folder: resume=auto starts the (empty) run
+    try:
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the chaos run did not finish within an hour")
+            code = sup.proc.poll()
+            if code is not None:
+                sup.launches[-1]["handle"].close()
+                sup.launches[-1]["code"] = code
+                if code == 0:
+                    break
+                if len(sup.launches) > 3 * len(events) + 3:
+                    raise RuntimeError(f"the trainer keeps failing (exit code {code}); see {sup.launches[-1]['log']}")
+                sup.start(resume=True)  # an exit not caused by the supervisor: resume as a user would
+                resumes += 1
+                continue
+            done = [r["iteration"] for r in _metrics(run)]
+            pending = [e for e in events if not e["fired"]]
+            if pending and done and max(done) >= pending[0]["after_iteration"] and max(done) < iterations:
+                event = pending[0]
+                event["fired"], event["launch"] = True, len(sup.launches) - 1
+                kind = event["kind"]
+                if kind == "trainer_kill":
+                    time.sleep(rng.uniform(0.0, 2.0))  # somewhere in the next iteration or its checkpoint write
+                    sup.proc.kill()
+                    sup.wait_exit()
+                    sup.start(resume=True)
+                    resumes += 1
+                elif kind == "corrupt_checkpoint":
+                    sup.proc.send_signal(signal.SIGSTOP)
+                    newest = _newest_checkpoint(run / "checkpoints")
+                    data = bytearray(newest.read_bytes())
+                    middle = len(data) // 2
+                    for i in range(middle, middle + 16):
+                        data[i] ^= 0xFF
+                    newest.write_bytes(bytes(data))
+                    event["file"] = newest.name
+                    sup.proc.kill()
+                    sup.wait_exit()
+                    sup.start(resume=True)
+                    resumes += 1
+                elif kind == "worker_kill":
+                    workers = [p for p in _children(sup.proc.pid) if _is_env_worker(p)]
+                    if workers:
+                        victim = rng.choice(workers)
+                        os.kill(victim, signal.SIGKILL)
+                        event["pid"] = victim
+                elif kind == "disk_full":
+                    newest = _newest_checkpoint(run / "checkpoints")
+                    disk.fill(sup.proc.pid, newest.stat().st_size if newest else 1 << 20)
+                    event["method"] = disk.method
+                    event["until_iteration"] = max(done) + 2
+                continue
+            for e in events:  # a full disk lasts for one checkpoint write
+                if e["kind"] == "disk_full" and e["fired"] and "freed" not in e and done and max(done) >= e["until_iteration"]:
+                    disk.free()
+                    e["freed"] = True
+            time.sleep(0.2)
+        result = _check(run, iterations, events, sup)
+        state = None
+        if schedule == "kill-only":
+            from torchrl_agent.trainers.checkpointing import read_checkpoint
+
+            state = read_checkpoint(run / "checkpoints" / "last.pt")["model"]
+    finally:
+        if sup.proc is not None and sup.proc.poll() is None:
+            sup.proc.kill()
+        if disk is not None:
+            disk.close()
+    result.update(resumes=resumes, schedule=schedule, seed=seed, launches=len(sup.launches),
+                  disk_full_method=disk.method if disk else None)
+    result["final_weights_equal_clean_run"] = None
+    if state is not None:
+        result["final_weights_equal_clean_run"] = _equal_to_clean_run(out, overrides, state, clean)
+    return result
+
+
+def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> dict:
+    from torchrl_agent.trainers.checkpointing import read_checkpoint
+
+    records = _metrics(run)
+    its = [r["iteration"] for r in records]
+    history = read_checkpoint(run / "checkpoints" / "last.pt")["history"]
+    consistent = its == list(range(iterations + 1)) and records[:-1] == history
+    lost = 0
+    for r in records[:-1]:
+        trained = round(r.get("episodes", 0) * r.get("episode_length", 0)) if "episodes" in r else 0
+        lost += r["env_steps"] - trained - r.get("fault_rows_dropped", 0)
+    for e in events:
+        if not e["fired"]:
+            continue
+        nxt = e["launch"] + 1
+        later = sup.log_text(nxt) if nxt < len(sup.launches) else ""
+        same = sup.log_text(e["launch"])
+        if e["kind"] == "trainer_kill":
+            e["survived"] = "resumed from" in later
+        elif e["kind"] == "corrupt_checkpoint":
+            e["survived"] = f"skipped checkpoint {run / 'checkpoints' / e['file']}" in later and "resumed from" in later
+        elif e["kind"] == "worker_kill":
+            e["survived"] = "pid" in e and "worker fault" in same + later
+        elif e["kind"] == "disk_full":
+            e["survived"] = any(s in same for s in ("No space left", "File too large")) and "training continues" in same
+    fired = [e for e in events if e["fired"]]
+    return {
+        "iterations_done": len({i for i in its if i < iterations}),
+        "faults_injected": len(fired),
+        "faults_survived": sum(e["survived"] for e in fired),
+        "rows_lost_beyond_faulted": lost,
+        "metrics_consistent": consistent,
+        "env_faults_in_metrics": sum(r.get("env_faults", 0) for r in records),
+        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "survived", "file", "method")}
+                   for e in events],
+    }
+
+
+def clean_run_args(iterations: int, seed: int, run_dir: Path) -> list[str]:
+    """The command of the unfaulted run the kill-only schedule compares with (``--clean``: run it
+    beforehand or beside the chaos run)."""
+    return [sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *SMOKE, f"iterations={iterations}",
+            f"seed={seed}", f"run_dir={run_dir}"]
+
+
+def _equal_to_clean_run(out: Path, overrides: list[str], state: dict, clean: Path | None = None) -> bool:
+    import torch
+
+    from torchrl_agent.trainers.checkpointing import read_checkpoint
+
+    if clean is None or not (clean / "checkpoints" / "last.pt").exists():
+        clean = clean or out / "clean"
+        done = subprocess.run([sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *overrides,
+                               f"run_dir={clean}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the clean run failed:\n{done.stderr[-2000:]}")
+    reference = read_checkpoint(clean / "checkpoints" / "last.pt")["model"]
+    return reference.keys() == state.keys() and all(torch.equal(reference[k], state[k]) for k in reference)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iterations", type=int, default=None, help="training iterations (default 30; short: 4)")
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="mixed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=None, help="working folder (default: a temporary one, removed)")
+    parser.add_argument("--clean", default=None, help="kill-only: the run directory of the unfaulted run (made "
+                        "with `--print-clean-command`'s command; run when missing)")
+    parser.add_argument("--print-clean-command", action="store_true", help="print the unfaulted run's command and exit")
+    args = parser.parse_args(argv)
+    iterations = args.iterations or (4 if args.schedule == "short" else 30)
+    if iterations < len(SCHEDULES[args.schedule]) + 2:
+        parser.error(f"--iterations must be >= {len(SCHEDULES[args.schedule]) + 2} for --schedule {args.schedule}")
+    if args.print_clean_command:
+        print(" ".join(clean_run_args(iterations, args.seed, Path(args.clean or "runs/chaos_clean"))))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(args.out or tmp)
+        t0 = time.perf_counter()
+        result = run_chaos(out, iterations, args.schedule, args.seed, Path(args.clean) if args.clean else None)
+        result["wall_s"] = round(time.perf_counter() - t0, 1)
+    result = {k: result[k] for k in ("iterations_done", "faults_injected", "faults_survived", "resumes",
+                                       "rows_lost_beyond_faulted", "metrics_consistent",
+                                       "final_weights_equal_clean_run")} | result
+    print(json.dumps(result))
+    ok = (result["faults_survived"] == result["faults_injected"] and result["rows_lost_beyond_faulted"] == 0
+          and result["metrics_consistent"] and result["final_weights_equal_clean_run"] is not False)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Algorithms by name: the registry (:mod:`.registry`), one module per built-in algorithm, and the
+hooks through which the trainer runs an algorithm's parts (:mod:`.hooks`).
+
+Adding an algorithm is one module that calls :func:`register_algorithm` and one YAML under
+``configs/algorithm/`` naming it (``docs/architecture.md`` has a worked example)."""
+
+from torchrl_agent.trainers.algorithms import gigpo, grpo, grpo_passk, ppo, reinforce_pp, remax, rloo  # noqa: F401
+from torchrl_agent.trainers.algorithms.hooks import AlgorithmHooks
+from torchrl_agent.trainers.algorithms.registry import (
+    ALGORITHM_REGISTRY,
+    Algorithm,
+    get_algorithm,
+    register_algorithm,
+)
+
+__all__ = ["ALGORITHM_REGISTRY", "Algorithm", "AlgorithmHooks", "get_algorithm", "register_algorithm"]

@@ -1,0 +1,409 @@
+"""Checkpoint files: written atomically, verified when read, loaded without running any code.
+
+A checkpoint is a ``torch.save`` archive that ``torch.load(path, weights_only=True)`` reads: tensors
+and plain containers (dict, list, tuple) of str / int / float / bool / None, nothing whose
+unpickling runs code (a pickled object's ``__reduce__`` can run anything when the file is opened).
+Its entries::
+
+    "format"     str    FORMAT
+    "checksum"   str    SHA-256 of every other entry (tensor bytes, dtypes, shapes and plain values)
+    "iteration"  int    the last finished iteration
+    "model", "optimizer", "collector", "algorithm"   state dicts
+    "rng"        dict   torch (uint8 tensor), python (tuple), numpy (plain_numpy_state)
+    "history", "evals", "config"   the metrics records, held-out curve and the run's config
+
+Written to ``NAME.tmp`` beside ``NAME``, flushed and ``fsync``-ed, then renamed over ``NAME`` and the
+folder ``fsync``-ed: a checkpoint on disk is whole or absent, whatever kills the writer. No fixed
+free-space margin: the write is attempted, and a full disk (``ENOSPC``) or any other failed write
+leaves the previous checkpoint as it was and raises :class:`CheckpointError`.
+
+Read by :func:`read_checkpoint`: ``torch.load(weights_only=True)`` then the checksum recomputed, so
+a truncated file, a text file, flipped bytes or a pickled (older) checkpoint is refused with
+:class:`CheckpointLoadError`, a one-line message naming the file, the reason and the next step.
+:func:`find_resumable` (``resume=auto``, ``resume=RUN_DIR``) takes the newest checkpoint *by
+iteration* that reads and verifies, and says which it skipped and why.
+
+A checkpoint written by an older torchrl-agent (pickled with ``weights_only=False``) is refused; a
+trusted one is converted with::
+
+    python -m torchrl_agent.trainers.checkpointing convert OLD.pt NEW.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import os
+import pickle
+import re
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["FORMAT", "CheckpointError", "CheckpointLoadError", "check_model_state", "checksum", "convert",
+           "find_resumable", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
+           "write_checkpoint"]
+
+logger = logging.getLogger("torchrl_agent")
+
+FORMAT = "torchrl_agent.checkpoint/2"
+CONVERT = "python -m torchrl_agent.trainers.checkpointing convert"
+_ITERATION_NAME = re.compile(r"iteration_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (no space, a failed write, non-finite weights); the
+    message says why and which earlier checkpoint is intact."""
+
+
+class CheckpointLoadError(ValueError):
+    """A checkpoint file that cannot be used; the one-line message names the file, why, and what to do."""
+
+
+# ----------------------------------------------------------------------------------- plain state
+def plain_numpy_state(state=None) -> dict:
+    """numpy's global RNG state (``np.random.get_state()``) as plain types and a tensor."""
+    name, keys, pos, has_gauss, cached = np.random.get_state() if state is None else state
+    return {"bit_generator": str(name), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+            "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
+
+
+def numpy_state(plain: dict) -> tuple:
+    """The inverse of :func:`plain_numpy_state`, for ``np.random.set_state``."""
+    return (plain["bit_generator"], plain["keys"].numpy().astype(np.uint32), plain["pos"], plain["has_gauss"],
+            plain["cached_gaussian"])
+
+
+def to_plain(obj, where: str = "state"):
+    """``obj`` with every value one that ``torch.load(weights_only=True)`` reads: tensors (numpy
+    arrays become tensors), dict / list / tuple, str / int / float / bool / None (numpy scalars and
+    paths are converted). Raises ``TypeError`` naming the entry of anything else."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach()
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(obj))
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, dict):  # OrderedDict too (a state_dict): a plain dict, in the same order
+        return {k: to_plain(v, f"{where}[{k!r}]") for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        out = [to_plain(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        return tuple(out) if isinstance(obj, tuple) else out
+    raise TypeError(f"{where}: a {type(obj).__name__} cannot go into a checkpoint (tensors and plain values only)")
+
+
+def checksum(state: dict) -> str:
+    """SHA-256 over every entry of ``state`` except ``"checksum"``: the bytes, dtype and shape of
+    each tensor and the type and value of each plain value, in order."""
+    digest = hashlib.sha256()
+
+    def feed(obj) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            digest.update(f"T{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                digest.update(t.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(obj, dict):
+            digest.update(f"D{len(obj)}".encode())
+            for k, v in obj.items():
+                feed(k)
+                feed(v)
+        elif isinstance(obj, (list, tuple)):
+            digest.update(f"{'L' if isinstance(obj, list) else 'U'}{len(obj)}".encode())
+            for v in obj:
+                feed(v)
+        else:
+            digest.update(f"{type(obj).__name__}:{obj!r};".encode())
+
+    feed({k: v for k, v in state.items() if k != "checksum"})
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------- write
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # a platform without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(state: dict, path: str | Path, *, kept: str = "") -> int:
+    """Write ``state`` (made plain by :func:`to_plain`, with ``format`` and ``checksum`` added) to
+    ``path`` atomically (``PATH.tmp``, fsync, rename, fsync of the folder); returns its size in bytes.
+
+    Any failed write (a full disk, a file-size limit, an I/O error) removes the ``.tmp``, leaves
+    ``path`` as it was and raises :class:`CheckpointError` naming the file, the cause, the free space
+    and ``kept`` (which earlier checkpoint is intact)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"format": FORMAT, **to_plain({k: v for k, v in state.items() if k not in ("format", "checksum")})}
+    state["checksum"] = checksum(state)
+    tmp = path.with_name(path.name + ".tmp")
+    f = None
+    try:
+        with open(tmp, "wb") as raw:
+            f = _Writer(raw)
+            torch.save(state, f)
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, path)  # never a half-written checkpoint under the real name
+    except (OSError, RuntimeError) as err:
+        try:
+            free = f"{_free_bytes(path.parent) / 1e6:.1f} MB free in {path.parent}"
+        except OSError:
+            free = f"free space of {path.parent} unknown"
+        tmp.unlink(missing_ok=True)
+        cause = (f is not None and f.error) or err  # torch reports a failed write as "unexpected pos"
+        text = str(cause).splitlines()[0] if str(cause) else ""
+        raise CheckpointError(f"writing {path} failed ({type(cause).__name__}: {text}); {free} (disk full?)"
+                              + (f"; {kept}" if kept else "")) from err
+    _fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+class _Writer:
+    """The file ``torch.save`` writes to, keeping the first ``OSError`` of a write (``ENOSPC``,
+    ``EFBIG``): torch reports it as an unrelated ``RuntimeError``."""
+
+    def __init__(self, raw):
+        self.raw, self.error = raw, None
+
+    def write(self, data) -> int:
+        try:
+            return self.raw.write(data)
+        except OSError as err:
+            self.error = self.error or err
+            raise
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _free_bytes(folder: Path) -> int:
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+# ----------------------------------------------------------------------------------- read
+def _problem(path: Path) -> str | None:
+    """Why ``path`` cannot be a checkpoint archive, from its first bytes (``None``: it may be one)."""
+    if not path.is_file():
+        return "no such file"
+    size = path.stat().st_size
+    if size == 0:
+        return "empty (0 bytes)"
+    if zipfile.is_zipfile(path):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(512)
+    if head.startswith(b"PK"):
+        return f"truncated ({size} bytes, the archive's directory is missing)"
+    if head.startswith(b"\x80"):
+        return f"a pickle in torch's legacy format (may run code when loaded); if you trust it: {CONVERT} {path} NEW.pt"
+    try:
+        head.decode("utf-8")
+        return f"a text file ({size} bytes), not a checkpoint"
+    except UnicodeDecodeError:
+        return f"not a torch.save archive ({size} bytes)"
+
+
+def read_checkpoint(path: str | Path, *, verify: bool = True) -> dict:
+    """The state of checkpoint ``path``, read with ``torch.load(weights_only=True)`` (no code of the
+    file runs) and checked against its checksum. Raises :class:`CheckpointLoadError` naming the file
+    and what is wrong: missing, empty, truncated, a text file, bytes changed since it was written,
+    or an older pickled checkpoint (then how to convert a trusted one)."""
+    path = Path(path)
+    problem = _problem(path)
+    if problem is not None:
+        raise CheckpointLoadError(f"checkpoint {path}: {problem}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:  # a global outside the allowed types: an older, pickled checkpoint
+        first = str(err).strip().splitlines()
+        found = next((x.strip() for x in first if "Unsupported global" in x or "GLOBAL" in x), first[0] if first else "")
+        raise CheckpointLoadError(
+            f"checkpoint {path}: refused, it holds pickled objects that would run code when loaded ({found[:120]}); "
+            f"it was written by an older torchrl-agent or by someone else. If you trust it, convert it: "
+            f"{CONVERT} {path} NEW.pt") from None
+    except Exception as err:  # a damaged archive (flipped bytes in its records, a truncated record)
+        raise CheckpointLoadError(f"checkpoint {path}: damaged, it does not load ({type(err).__name__}: "
+                                  f"{str(err).strip().splitlines()[0][:160] if str(err).strip() else ''})") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or "checksum" not in state:
+        raise CheckpointLoadError(
+            f"checkpoint {path}: not a {FORMAT} checkpoint (no format/checksum entry: written by an older "
+            f"torchrl-agent or another program); if you trust it, convert it: {CONVERT} {path} NEW.pt")
+    if verify and checksum(state) != state["checksum"]:
+        raise CheckpointLoadError(f"checkpoint {path}: damaged, its content does not match its checksum (bytes "
+                                  "changed after it was written: a disk, copy or transfer error); use an earlier one")
+    return state
+
+
+def check_model_state(model_state: dict, expected: dict, path: str | Path, config: dict | None = None) -> None:
+    """Raise :class:`CheckpointLoadError` (one line) when the checkpoint's weights ``model_state``
+    do not fit the model (``expected``: ``name -> shape`` of its state dict): another model size or
+    architecture. Names the first difference and the checkpoint's own ``model`` config."""
+    have = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    want = {k: tuple(s) for k, s in expected.items()}
+    shape = [k for k in want if k in have and have[k] != want[k]]
+    missing = [k for k in want if k not in have]
+    extra = [k for k in have if k not in want]
+    if not (shape or missing or extra):
+        return
+    if shape:
+        first = f"{shape[0]} is {list(have[shape[0]])} in the file, {list(want[shape[0]])} in this model"
+    else:
+        first = f"first missing: {missing[0]}" if missing else f"first unexpected: {extra[0]}"
+    trained = ""
+    model_cfg = (config or {}).get("model") or {}
+    if model_cfg:
+        trained = f"; it was trained with model.name={model_cfg.get('name')} model.path={model_cfg.get('path')}"
+    raise CheckpointLoadError(
+        f"checkpoint {path} holds the weights of another model ({len(shape)} tensors of another shape, "
+        f"{len(missing)} missing, {len(extra)} unexpected; {first}){trained}: pass the same model as its run")
+
+
+# ----------------------------------------------------------------------------------- which checkpoint
+def _candidates(folder: Path) -> list[tuple[int, int, Path]]:
+    """``(iteration, tie-break, path)`` of every ``*.pt`` under ``folder`` and ``folder/checkpoints``.
+
+    The iteration is read from the name (``iteration_00012.pt``) or, for another name (``last.pt``),
+    from the file (memory-mapped, so its tensors are not read); ``-1`` when it cannot be read."""
+    found = []
+    for d in (folder, folder / "checkpoints"):
+        if not d.is_dir():
+            continue
+        for p in d.glob("*.pt"):
+            if not p.is_file():
+                continue
+            match = _ITERATION_NAME.search(p.name)
+            if match:
+                found.append((int(match.group(1)), 0, p))
+                continue
+            iteration = -1
+            if _problem(p) is None:
+                try:
+                    iteration = int(torch.load(p, map_location="cpu", weights_only=True, mmap=True)["iteration"])
+                except Exception:
+                    iteration = -1
+            found.append((iteration, 1 if p.name == "last.pt" else 0, p))
+    return sorted(found, key=lambda t: (t[0], t[1], t[2].name), reverse=True)
+
+
+def find_resumable(folder: str | Path) -> tuple[Path | None, dict | None, list[tuple[Path, str]]]:
+    """The newest checkpoint (by iteration, not file time) under ``folder`` or ``folder/checkpoints``
+    that reads and verifies: ``(path, state, skipped)``, where ``skipped`` lists ``(path, reason)``
+    of each newer one that did not. ``(None, None, skipped)`` when none does."""
+    skipped: list[tuple[Path, str]] = []
+    for _, _, path in _candidates(Path(folder)):
+        try:
+            return path, read_checkpoint(path), skipped
+        except CheckpointLoadError as err:
+            skipped.append((path, str(err).split(": ", 1)[-1]))
+    return None, None, skipped
+
+
+def resolve_resume(resume: str | None, run_dir: str | Path | None) -> tuple[Path | None, dict | None]:
+    """The checkpoint ``resume=`` means and its verified state: a checkpoint file (it must verify),
+    a run directory (its newest checkpoint that verifies) or ``auto`` (the same in ``run_dir``;
+    ``(None, None)`` when it holds no checkpoint file at all). Skipped checkpoints are logged with
+    their reasons; raises :class:`CheckpointLoadError` when no checkpoint can be used."""
+    if resume is None:
+        return None, None
+    if resume == "auto":
+        if run_dir is None:
+            raise CheckpointLoadError("resume=auto needs run_dir= (the run directory to continue)")
+        folder = Path(run_dir)
+    else:
+        folder = Path(resume)
+        if folder.is_file() or not folder.exists():
+            if not folder.exists():
+                raise CheckpointLoadError(f"resume={resume}: no such file or directory")
+            return folder, read_checkpoint(folder)
+    path, state, skipped = find_resumable(folder)
+    for bad, reason in skipped:
+        logger.warning("resume: skipped checkpoint %s: %s", bad, reason)
+    if path is None and skipped:
+        raise CheckpointLoadError(
+            f"resume={resume}: none of the {len(skipped)} checkpoint(s) in {folder} can be used (newest: "
+            f"{skipped[0][0].name}: {skipped[0][1]}); pass resume=FILE of a good one, or choose another run_dir")
+    if path is None and resume != "auto":
+        raise CheckpointLoadError(f"resume={resume}: no checkpoint (*.pt) in {folder} or {folder / 'checkpoints'}")
+    if path is not None and skipped:
+        logger.warning("resume: continuing from %s (iteration %d), the newest checkpoint that verifies",
+                       path, state["iteration"])
+    return path, state
+
+
+# ----------------------------------------------------------------------------------- convert
+def _convert_state(old: dict) -> dict:
+    """An older checkpoint's state in this format: numpy RNG state as plain values, the rest made plain."""
+    state = dict(old)
+    rng = dict(state.get("rng") or {})
+    if isinstance(rng.get("numpy"), tuple):
+        rng["numpy"] = plain_numpy_state(rng["numpy"])
+    if rng:
+        state["rng"] = rng
+    if "evals" in state:
+        state["evals"] = [list(e) for e in state["evals"]]
+    return state
+
+
+def convert(old: str | Path, new: str | Path) -> Path:
+    """Convert a *trusted* older checkpoint (pickled, read with ``weights_only=False``: this runs any
+    code the file holds) into this format, verified by reading it back."""
+    old, new = Path(old), Path(new)
+    if new.exists():
+        raise FileExistsError(f"{new} exists: choose another name")
+    state = torch.load(old, map_location="cpu", weights_only=False)
+    if not isinstance(state, dict):
+        raise ValueError(f"{old}: not a checkpoint (a {type(state).__name__}, expected a dict)")
+    write_checkpoint(_convert_state(state), new)
+    read_checkpoint(new)
+    return new
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchrl_agent.trainers.checkpointing",
+                                     description="Check or convert torchrl-agent checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("convert", help="convert a TRUSTED older (pickled) checkpoint: loading it runs its code")
+    c.add_argument("old")
+    c.add_argument("new")
+    v = sub.add_parser("verify", help="read and verify checkpoints (no code runs)")
+    v.add_argument("paths", nargs="+")
+    args = parser.parse_args(argv)
+    if args.command == "convert":
+        try:
+            print(f"converted {args.old} -> {convert(args.old, args.new)}")
+        except (OSError, ValueError, CheckpointError, pickle.UnpicklingError, RuntimeError) as err:
+            print(f"convert: {err}", file=sys.stderr)
+            return 1
+        return 0
+    code = 0
+    for p in args.paths:
+        try:
+            state = read_checkpoint(p)
+            print(f"{p}: ok, iteration {state.get('iteration')}")
+        except CheckpointLoadError as err:
+            print(err, file=sys.stderr)
+            code = 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
