@@ -52,6 +52,16 @@ NOT_RUN = {
         "a 73-minute benchmark; tests/test_learning.py runs its --quick form",
     ".venv/bin/torchrl-agent train env=sokoban env.template=reference env.action_format=reference":
         "a full Sokoban run (minutes); tests/test_reference_mode.py checks the reference mode",
+    "python -m pytest -q tests/test_layers.py": "a test of the suite, run by the suite itself",
+    'python my_train.py "hydra.searchpath=[file://$PWD/my_configs]" experiment=smoke algorithm=toy':
+        "the reader's own script; tests/test_toy_algorithm.py trains the same toy algorithm",
+    ".venv/bin/python benchmarks/data_checks.py --products 10000 --rows 20000 --repeats 3":
+        "a benchmark of minutes; its figures are in the page",
+    "HF_HOME=/data/hf hf download Qwen/Qwen2.5-1.5B-Instruct": "downloads from the model hub (no hub here)",
+    "python benchmarks/engine_memory.py                     # --rows 16 --new-tokens 128 (the defaults)":
+        "a benchmark of minutes; its figures are in the page",
+    "benchmarks/gpu_smoke.sh                              # CUDA: the ALFWorld shape":
+        "needs a CUDA GPU; tests run its --tiny CPU form",
 }
 PYTHON = _blocks("python")
 BASH = _blocks("bash")
