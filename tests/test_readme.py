@@ -23,11 +23,13 @@ OUTPUT = {"", "text", "json", "yaml"}
 
 
 def _blocks(language: str) -> list[tuple[str, int, str]]:
-    """(page relative to the repository, index of the block on its page, code) of one language."""
-    found = []
+    """(page relative to the repository, index of the block on its page, code) of one language; a
+    block repeated on another page (the README's examples) is run once, where it first appears."""
+    found, seen = [], set()
     for page in PAGES:
         for index, match in enumerate(FENCE.finditer(page.read_text())):
-            if match.group(1) == language:
+            if match.group(1) == language and match.group(2) not in seen:
+                seen.add(match.group(2))
                 found.append((page.relative_to(ROOT).as_posix(), index, match.group(2)))
     return found
 
