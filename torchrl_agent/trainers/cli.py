@@ -268,6 +268,9 @@ def _train_run(cfg) -> tuple[int, dict]:
     except DataFileError as err:  # a bad evaluation data file, read when the first evaluation builds its env
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
+    except FileNotFoundError as err:  # a data file read at the first evaluation (the eval split): not a disk fault
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
     except OSError as err:  # a full disk, a lost mount: what was written is intact
         print(f"torchrl-agent: the run stopped ({err}); fix it (free space), then {resume}", file=sys.stderr)
         return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
