@@ -57,8 +57,6 @@ NOT_RUN = {
     "python -m pytest -q tests/test_layers.py": "a test of the suite, run by the suite itself",
     'python my_train.py "hydra.searchpath=[file://$PWD/my_configs]" experiment=smoke algorithm=toy':
         "the reader's own script; tests/test_toy_algorithm.py trains the same toy algorithm",
-    ".venv/bin/python benchmarks/data_checks.py --products 10000 --rows 20000 --repeats 3":
-        "a benchmark of minutes; its figures are in the page",
     "HF_HOME=/data/hf hf download Qwen/Qwen2.5-1.5B-Instruct": "downloads from the model hub (no hub here)",
     "python benchmarks/engine_memory.py                     # --rows 16 --new-tokens 128 (the defaults)":
         "a benchmark of minutes; its figures are in the page",
