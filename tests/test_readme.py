@@ -23,11 +23,13 @@ OUTPUT = {"", "text", "json", "yaml"}
 
 
 def _blocks(language: str) -> list[tuple[str, int, str]]:
-    """(page relative to the repository, index of the block on its page, code) of one language."""
-    found = []
+    """(page relative to the repository, index of the block on its page, code) of one language; a
+    block repeated on another page (the README's examples) is run once, where it first appears."""
+    found, seen = [], set()
     for page in PAGES:
         for index, match in enumerate(FENCE.finditer(page.read_text())):
-            if match.group(1) == language:
+            if match.group(1) == language and match.group(2) not in seen:
+                seen.add(match.group(2))
                 found.append((page.relative_to(ROOT).as_posix(), index, match.group(2)))
     return found
 
@@ -52,6 +54,14 @@ NOT_RUN = {
         "a 73-minute benchmark; tests/test_learning.py runs its --quick form",
     ".venv/bin/torchrl-agent train env=sokoban env.template=reference env.action_format=reference":
         "a full Sokoban run (minutes); tests/test_reference_mode.py checks the reference mode",
+    "python -m pytest -q tests/test_layers.py": "a test of the suite, run by the suite itself",
+    'python my_train.py "hydra.searchpath=[file://$PWD/my_configs]" experiment=smoke algorithm=toy':
+        "the reader's own script; tests/test_toy_algorithm.py trains the same toy algorithm",
+    "HF_HOME=/data/hf hf download Qwen/Qwen2.5-1.5B-Instruct": "downloads from the model hub (no hub here)",
+    "python benchmarks/engine_memory.py                     # --rows 16 --new-tokens 128 (the defaults)":
+        "a benchmark of minutes; its figures are in the page",
+    "benchmarks/gpu_smoke.sh                              # CUDA: the ALFWorld shape":
+        "needs a CUDA GPU; tests run its --tiny CPU form",
 }
 PYTHON = _blocks("python")
 BASH = _blocks("bash")
