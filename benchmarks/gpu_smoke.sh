@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# Training smoke + throughput of the shipped training step (Trainer.update under FSDP2: float32 master
-# weights, bf16 compute, token-budget micro-batches, chunked log-probs, sharded KL reference; see
-# benchmarks/gpu_smoke.py); the LAST line of its output is one JSON object (tokens/s for generation
-# and training, MFU, memory).
+# GPU smoke + throughput at the ALFWorld recipe's shape (benchmarks/gpu_smoke.py): a random-weight
+# Qwen2.5-1.5B-architecture model built from its config (no download, no vLLM), 256 prompts of about
+# 1,500 tokens, up to 512 new tokens each with the transformers engine, then one training update
+# (FSDP2, bf16 compute over float32 master weights, a KL reference) and the weight sync. The LAST
+# line of its output is one JSON object: gen_tokens_per_s, train_tokens_per_s, mfu,
+# peak_memory_gib, weight_sync_s. Made for one H200 in under 8 minutes.
 #
-#   benchmarks/gpu_smoke.sh                                   # CUDA: a Qwen2.5-0.5B-architecture model, bf16
-#   benchmarks/gpu_smoke.sh --model /path/to/Qwen2.5-1.5B-Instruct --iterations 4
-#   benchmarks/gpu_smoke.sh --cpu --dtype bfloat16            # the same path on CPU, tiny model and sizes
-#   NPROC=2 benchmarks/gpu_smoke.sh --cpu                     # 2 CPU processes (gloo)
+#   benchmarks/gpu_smoke.sh                                   # CUDA, the ALFWorld shape
+#   benchmarks/gpu_smoke.sh --gradient-checkpointing          # the same with activation recomputation
+#   benchmarks/gpu_smoke.sh --tiny                            # CPU, tiny model and shape (GPU_SMOKE_TINY=1 too)
+#   NPROC=2 benchmarks/gpu_smoke.sh --tiny                    # 2 CPU processes (gloo)
 #
 # Environment: NPROC (processes, default 1), PYTHON (default: .venv/bin/python if present, else
-# python3), SMOKE_TIMEOUT (seconds, default 540: under a 10-minute device call). Wheels carried in
-# .whl/ (see the device README) are installed into /tmp/site first when torchrl is not importable.
+# python3), SMOKE_TIMEOUT (seconds, default 480: 8 minutes), GPU_SMOKE_TINY=1 (= --tiny). Wheels
+# carried in .whl/ (see the device README) are installed into /tmp/site first when torchrl is not
+# importable.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${PYTHON:-}" ]]; then
@@ -34,5 +37,5 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2 || true
 fi
-exec timeout "${SMOKE_TIMEOUT:-540}" "$PYTHON" -m torch.distributed.run --standalone \
+exec timeout "${SMOKE_TIMEOUT:-480}" "$PYTHON" -m torch.distributed.run --standalone \
     --nproc_per_node "${NPROC:-1}" benchmarks/gpu_smoke.py "$@"

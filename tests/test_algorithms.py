@@ -1,4 +1,4 @@
-"""Every algorithm of configs/algorithm/ trains from its config (2 iterations, tiny model, NumberLine)."""
+"""Every algorithm of torchrl_agent/configs/algorithm/ trains from its config (2 iterations, tiny model, NumberLine)."""
 
 from __future__ import annotations
 

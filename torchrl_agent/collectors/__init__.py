@@ -2,12 +2,13 @@
 its sharded forms (processes over one shared vLLM engine; Ray actors, optional extra ``ray``),
 and the weight-sync schemes."""
 
+from torchrl_agent.collectors.distributed import DistributedStepCollector
 from torchrl_agent.collectors.multiprocess import MultiProcessStepCollector
 from torchrl_agent.collectors.shards import ConfigEnvFactory, TextEnvFactory
 from torchrl_agent.collectors.step_collector import StepCollector, episode_metrics, request_seeds, token_ledger
 from torchrl_agent.collectors.weight_sync import EngineReloadScheme, PolicyTransport
 
-__all__ = ["ConfigEnvFactory", "EngineReloadScheme", "MultiProcessStepCollector", "PolicyFactory", "PolicyTransport",
+__all__ = ["ConfigEnvFactory", "DistributedStepCollector", "EngineReloadScheme", "MultiProcessStepCollector", "PolicyFactory", "PolicyTransport",
            "RayStepCollector", "StepCollector", "TextEnvFactory", "episode_metrics", "request_seeds", "token_ledger"]
 
 

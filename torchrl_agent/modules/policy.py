@@ -65,6 +65,16 @@ class LLMPolicy(TensorDictModuleBase, abc.ABC):
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load new weights into the engine (a no-op for engines sharing the trainer's model)."""
 
+    def release_memory(self) -> bool:
+        """Free what the engine holds on the accelerator that the update does not need (call it after
+        collection, before the update); returns True when something was freed. No-op by default."""
+        return False
+
+    def resume(self) -> bool:
+        """Undo :meth:`release_memory` before the next generation (engines also do it themselves when
+        needed); returns True when the engine was woken. No-op by default."""
+        return False
+
     def encode(self, prompt: str) -> list[int]:
         """The exact prompt token ids (the chat template is already in the text)."""
         return self.tokenizer(prompt, add_special_tokens=False)["input_ids"]

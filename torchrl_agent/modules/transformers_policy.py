@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -12,11 +15,14 @@ __all__ = ["TransformersPolicy"]
 
 
 class TransformersPolicy(LLMPolicy):
-    """Samples with ``model.generate`` over a left-padded batch.
+    """Samples over a left-padded batch with a KV cache, scoring each token as it is drawn.
 
     The sampling log-prob of each token is ``log_softmax(logits / T)`` of the raw logits (no top-k
     or top-p: the distribution sampled from is exactly the one the trainer recomputes). With
-    ``temperature=0`` decoding is greedy and log-probs are those of ``T=1``.
+    ``temperature=0`` decoding is greedy and log-probs are those of ``T=1``. Memory per call: the KV
+    cache and one step's ``[batch, vocabulary]`` float32 scores; no ``[batch, new tokens,
+    vocabulary]`` logits are kept (``model.generate(output_logits=True)`` kept them: 20 GB for 64
+    rows x 512 tokens of Qwen2.5's 151,936-token vocabulary, ``benchmarks/engine_memory.py``).
 
     Args:
         model: a causal LM (shared with the trainer: updates are seen at once).
@@ -35,6 +41,7 @@ class TransformersPolicy(LLMPolicy):
         self.model = model
         self.batch_size = batch_size
         self.accepts_request_seeds = request_seeds
+        self._keeps_logits: bool | None = None
         if self.max_prompt_tokens is None:
             self.max_prompt_tokens = getattr(model.config, "max_position_embeddings", 4096) - self.max_new_tokens
 
@@ -59,32 +66,89 @@ class TransformersPolicy(LLMPolicy):
         device = next(self.model.parameters()).device
         return [device] if device.type == "cuda" else []
 
+    def release_memory(self) -> bool:
+        """Return the CUDA caching allocator's free blocks (the last generate call's KV cache) to the
+        device before the update; the weights stay (they are the trainer's, or its engine copy's).
+        Returns True when something could be freed (a CUDA model), else False."""
+        if next(self.model.parameters()).device.type != "cuda":
+            return False
+        torch.cuda.empty_cache()
+        return True
+
     @torch.no_grad()
     def _generate_batch(self, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        """Sample up to ``max_new_tokens`` for each prompt of ``batch`` (token id lists), scoring each
+        token as it is drawn: ``[b]`` log-probs per step, never the ``[b, t, V]`` logits of a call.
+
+        The loop is ``model.generate``'s sampling with a KV cache (left padding, position ids from the
+        attention mask, rows that ended get padding): per step ``p = softmax(logits.float() / T)``,
+        ``torch.multinomial(p, 1)`` (greedy: ``argmax``), the same draws from the same generator, so a
+        seed gives ``generate``'s tokens. Only the model's own logits are used: no generation config
+        of the model folder (repetition penalty, top-k/p) changes the distribution sampled from.
+        """
         pad = self.tokenizer.pad_token_id
         eos = self.tokenizer.eos_token_id
-        width = max(len(ids) for ids in batch)
-        input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
+        device = next(self.model.parameters()).device  # the engine's device (inputs are built on CPU)
+        n, width = len(batch), max(len(ids) for ids in batch)
+        input_ids = torch.full((n, width), pad, dtype=torch.long)
+        attention = torch.zeros((n, width), dtype=torch.long)
         for row, ids in enumerate(batch):  # left padding
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
-        device = next(self.model.parameters()).device  # the engine's device (inputs are built on CPU)
         input_ids, attention = input_ids.to(device), attention.to(device)
+        positions = (attention.cumsum(-1) - 1).masked_fill_(attention == 0, 1)
         sample = self.temperature > 0
-        output = self.model.generate(
-            input_ids=input_ids, attention_mask=attention, max_new_tokens=self.max_new_tokens,
-            do_sample=sample, temperature=self.temperature if sample else None, top_k=0 if sample else None,
-            top_p=1.0 if sample else None, pad_token_id=pad, eos_token_id=eos,
-            return_dict_in_generate=True, output_logits=True,
-        )
-        new = output.sequences[:, width:]
-        logits = torch.stack(output.logits, dim=1).float()  # [b, t, V], raw (unprocessed)
-        logp = F.log_softmax(logits / (self.temperature if sample else 1.0), dim=-1)
-        token_logp = logp.gather(-1, new[:, : logp.shape[1], None]).squeeze(-1)
+        temperature = self.temperature if sample else 1.0
+        tokens = torch.full((n, self.max_new_tokens), pad, dtype=torch.long, device=device)
+        log_probs = torch.zeros((n, self.max_new_tokens), dtype=torch.float32, device=device)
+        running = torch.ones(n, dtype=torch.bool, device=device)
+        cache, step_ids, steps = None, input_ids, 0
+        with _inference_mode(self.model):
+            for t in range(self.max_new_tokens):
+                out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
+                                 past_key_values=cache, use_cache=True, **self._last_logit_only)
+                cache = out.past_key_values
+                scores = out.logits[:, -1, :].float() / temperature  # [b, V], this step only
+                del out
+                if sample:
+                    token = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+                else:
+                    token = scores.argmax(dim=-1)
+                token = torch.where(running, token, torch.full_like(token, pad))
+                log_probs[:, t] = F.log_softmax(scores, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+                tokens[:, t] = token
+                steps = t + 1
+                running &= token != eos
+                if not bool(running.any()):
+                    break
+                step_ids = token[:, None]
+                attention = torch.cat([attention, attention.new_ones(n, 1)], dim=-1)
+                positions = positions[:, -1:] + 1
+        tokens, log_probs = tokens[:, :steps].tolist(), log_probs[:, :steps].tolist()
         results = []
-        for row in range(len(batch)):
-            ids = new[row].tolist()
+        for ids, lps in zip(tokens, log_probs):
             end = ids.index(eos) + 1 if eos in ids else len(ids)  # keep the eos token: it was sampled
-            results.append((ids[:end], token_logp[row, :end].tolist()))
+            results.append((ids[:end], lps[:end]))
         return results
+
+    @property
+    def _last_logit_only(self) -> dict:
+        """``logits_to_keep=1`` when the model's forward takes it: the prompt's forward computes the
+        head at its last position only, not ``[b, prompt, V]`` logits."""
+        if self._keeps_logits is None:
+            forward = getattr(self.model, "get_base_model", lambda: self.model)().forward
+            self._keeps_logits = "logits_to_keep" in inspect.signature(forward).parameters
+        return {"logits_to_keep": 1} if self._keeps_logits else {}
+
+
+@contextlib.contextmanager
+def _inference_mode(model):
+    """``model.eval()`` for the ``with`` block (the engine may share the trainer's model, in train
+    mode: gradient checkpointing would turn the KV cache off), then each module's mode restored."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training

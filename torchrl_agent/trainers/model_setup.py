@@ -32,8 +32,8 @@ class TrainingModels:
             ``model``; ``None`` without a KL term, and with LoRA (the reference is then ``model``
             with its adapters disabled).
         rollout_model: the transformers engine's weights: ``model`` itself (float32, one
-            process), else a copy in the compute dtype on rank 0 (``None`` on other ranks and for
-            engines holding their own weights, such as vLLM).
+            process), else a copy in the compute dtype on every rank (``None`` for engines
+            holding their own weights, such as vLLM).
         compute_dtype: ``model.dtype``.
         autocast_enabled: a single process computing in a lower precision than float32.
     """
@@ -84,13 +84,14 @@ def setup_models(cfg, device: torch.device, *, reference: bool) -> TrainingModel
     if reference and cfg.model.lora_rank == 0:
         ref = shard_model(copy.deepcopy(model).to(dtype).eval().requires_grad_(False))
     # the transformers engine's weights: the training model itself (float32, one process), else a
-    # copy in the compute dtype on rank 0 (a forward of the sharded model is collective), loaded
-    # by sync_weights after every update; the vLLM engine holds its own copy (None here)
+    # copy in the compute dtype on every rank (a forward of the sharded model is collective; each
+    # rank collects with its own engine), loaded by sync_weights after every update; the vLLM
+    # engine holds its own copy (None here)
     rollout_model = None
     if cfg.rollout.engine == "transformers":
         rollout_model = model
         if lowp or is_distributed():
-            rollout_model = copy.deepcopy(model).to(dtype).eval() if is_main_process() else None
+            rollout_model = copy.deepcopy(model).to(dtype).eval()
     mp_policy = None
     if lowp and is_distributed():
         from torch.distributed.fsdp import MixedPrecisionPolicy

@@ -12,8 +12,11 @@ One iteration (:meth:`Trainer.train`, the same loop on every rank under torchrun
     policy.update_weights(...)                      # engines with their own weights
     evaluate on the held-out panel every `eval_every` iterations
 
-Under torchrun rank 0 alone collects (and broadcasts the rows), evaluates and writes the logs;
-every rank trains its share of each mini-batch (FSDP2). The pieces live in files named for them:
+Under torchrun every rank collects its share of the groups with its own rollout engine and
+receives the others' rows, recomputes its share of the old/reference log-probs (gathered), plays
+its share of the evaluation panel and trains its share of each mini-batch (FSDP2); after every
+update each rank loads the full weights into its engine; rank 0 alone writes the logs
+(docs/distributed.md). The pieces live in files named for them:
 :mod:`.builders` (config -> engine, collector, advantage, loss), :mod:`.model_setup` (precision,
 LoRA, FSDP2, reference), :mod:`.batching` (micro-batches, padding), :mod:`.loggers` (metrics
 files, TensorBoard, W&B, plot), :mod:`.algorithms` (each algorithm by name, and the hooks that run its parts).
@@ -36,7 +39,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_agent.collectors import StepCollector, episode_metrics
+from torchrl_agent.collectors import episode_metrics
 from torchrl_agent.modules import ResponseLogProbs
 from torchrl_agent.trainers.algorithms import AlgorithmHooks
 from torchrl_agent.trainers.batching import (
@@ -53,6 +56,7 @@ from torchrl_agent.trainers.builders import (
     build_loss,
     build_policy,
     prompt_budget,
+    rollout_config,
 )
 from torchrl_agent.trainers.checkpointing import (
     CheckpointError,
@@ -68,6 +72,7 @@ from torchrl_agent.trainers.distributed import (
     clip_grad_norm,
     full_optimizer_state_dict,
     full_state_dict,
+    full_weights,
     init_distributed,
     is_distributed,
     is_main_process,
@@ -75,6 +80,7 @@ from torchrl_agent.trainers.distributed import (
     load_full_state_dict,
     reduce_mean,
     shard_indices,
+    split_over_ranks,
 )
 from torchrl_agent.trainers.loggers import console_line, finite_record, init_wandb, plot_learning_curve, write_record
 from torchrl_agent.trainers.model_setup import setup_models
@@ -109,8 +115,8 @@ class Trainer:
         self.cfg = cfg
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
-        # under torchrun: one process per device, rank 0 collects and logs, all ranks train (FSDP2)
-        self.rank, self.world_size, self.device = init_distributed(cfg.device)
+        # under torchrun: one process per device, each with its engine; rank 0 logs (docs/distributed.md)
+        self.rank, self.world_size, self.device = init_distributed(cfg.device, timeout_s=cfg.collective_timeout_s)
         torch.manual_seed(cfg.seed)
         a = cfg.algorithm
         models = setup_models(cfg, self.device, reference=a.kl_coef > 0 or a.kl_in_reward)
@@ -119,20 +125,25 @@ class Trainer:
         self.compute_dtype, self.autocast_enabled = models.compute_dtype, models.autocast_enabled
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradient norm)
         r = cfg.rollout
-        self.policy = self.eval_policy = self.env = self.collector = None
-        if is_main_process():
-            self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
-            self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
-            self.eval_policy.temperature = r.eval_temperature
-            self.env = build_env(cfg, self.tokenizer, policy=self.policy)
-            self.collector = build_collector(cfg, self.env, self.policy)
+        # every rank holds a rollout engine and collects its share of the groups (under torchrun the
+        # engines are built together: vLLM's set-up is collective; see docs/distributed.md)
+        self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
+        self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
+        self.eval_policy.temperature = r.eval_temperature
+        # (collector.kind=multiprocess/ray: the collector's processes build their own envs and engines;
+        # this process's engine evaluates)
+        sharded = cfg.collector.kind != "step"
+        self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
+        self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
+        self.weight_sync_s = 0.0  # the last weight sync's seconds
+        self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
                                       chunk_tokens=a.logprob_chunk_tokens)
         self.loss = build_loss(cfg)  # before the hooks: PPO's critic trains with this loss's value term
         # the algorithm's parts (baseline episodes, critic) and options (dynamic sampling, KL in the
-        # reward) around collection and advantages: rank 0 only
-        self.hooks = AlgorithmHooks(cfg, self) if is_main_process() else None
+        # reward) around collection and advantages: every rank, on the same gathered rows
+        self.hooks = AlgorithmHooks(cfg, self)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
         # the run directory (run_dir.py): a new folder of its own, or run_dir=, held by a lock
         run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
@@ -159,18 +170,25 @@ class Trainer:
 
     @torch.no_grad()
     def recompute(self, model, rows: TensorDictBase) -> list[torch.Tensor]:
-        """Per-row response log-probs under ``model`` (a list of 1-D float32 tensors), in micro-batches
-        of ``algorithm.micro_batch_tokens`` padded tokens (the same split on every rank)."""
+        """Per-row response log-probs under ``model`` (a list of 1-D float32 tensors, on CPU under
+        torchrun), in micro-batches of ``algorithm.micro_batch_tokens`` padded tokens.
+
+        Computed once over the ranks: each rank its share of the rows (balanced by tokens), then
+        gathered (:func:`~torchrl_agent.trainers.distributed.split_over_ranks`); every rank calls it
+        with the same rows and gets every row's log-probs. :attr:`recomputed_rows` holds the rows
+        this rank computed."""
         a = self.cfg.algorithm
         module = ResponseLogProbs(model, self.tokenizer.pad_token_id, temperature=self.actor.temperature,
                                   with_entropy=False, chunk_tokens=a.logprob_chunk_tokens)
         lengths, _ = row_lengths(rows)
-        out: list[torch.Tensor] = [torch.zeros(0)] * len(lengths)
-        for idx in token_budget_batches(list(range(len(lengths))), lengths, a.micro_batch_tokens):
+
+        def compute(idx: list[int]) -> list[torch.Tensor]:
             with self.autocast():
                 part = module(rows[idx])
-            for i, lp, n in zip(idx, part["log_prob"], part["mask"].sum(-1)):
-                out[i] = lp[: int(n)]
+            return [lp[: int(n)] for lp, n in zip(part["log_prob"], part["mask"].sum(-1))]
+
+        out, self.recomputed_rows = split_over_ranks(
+            compute, lengths, lambda share: token_budget_batches(share, lengths, a.micro_batch_tokens))
         return out
 
     def recompute_log_probs(self, rows: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
@@ -253,6 +271,7 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.warmup_lr()
+        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
         old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
@@ -283,7 +302,7 @@ class Trainer:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         self.sync_weights()
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
-        return {**means, **consistency, "skipped_steps": skipped}
+        return {**means, **consistency, "skipped_steps": skipped, "weight_sync_s": self.weight_sync_s}
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
@@ -295,6 +314,12 @@ class Trainer:
         diff = (sampled.to(mask.device) - pad_ragged(recomputed, width).to(mask.device)).abs()[mask]
         out = {"logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
                "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
+        owner = getattr(self.collector, "owner", None)
+        if owner is not None:  # under torchrun: each rollout engine's rows apart
+            engines = owner(rows).to(mask.device)[:, None].expand_as(mask)[mask]
+            for e in range(self.collector.engines):
+                mine = diff[engines == e]
+                out[f"logprob_diff_max/engine{e}"] = float(mine.max()) if mine.numel() else 0.0
         threshold = self.cfg.rollout.logprob_warn_threshold
         if out["logprob_diff_max"] > threshold:
             logger.warning("engine and trainer log-probs differ by up to %.3g (> rollout.logprob_warn_threshold=%g)",
@@ -302,25 +327,44 @@ class Trainer:
         return out
 
     def sync_weights(self) -> None:
-        """Hands the trained weights to the rollout engine, in the compute dtype (under torchrun every
-        rank must call it: the full weights are gathered on rank 0)."""
-        state = full_state_dict(self.model) if is_distributed() else self.model.state_dict()
-        if not is_main_process():
-            return
-        if self.rollout_model is None:  # an engine with its own weights (vLLM)
+        """Hands the trained weights to the rollout engines, in the compute dtype; the seconds it
+        takes go to :attr:`weight_sync_s` (``weight_sync_s`` in the metrics).
+
+        Under torchrun every rank calls it: the FSDP2 shards are all-gathered into full weights on
+        every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
+        them into its own engine."""
+        t0 = time.perf_counter()
+        self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
+        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
+            state = full_weights(self.model, self.compute_dtype)
+            self.collector.update_policy_weights_(state)
+            if self.rollout_model is None:
+                self.policy.update_weights(state)
+            elif self.rollout_model is not self.model:
+                self.rollout_model.load_state_dict(state)
+        elif is_distributed():
+            state = full_weights(self.model, self.compute_dtype)
+            if self.rollout_model is not None:
+                self.rollout_model.load_state_dict(state)
+            else:  # an engine with its own weights (vLLM)
+                self.collector.update_policy_weights_(state)
+        elif self.rollout_model is None:  # an engine with its own weights (vLLM)
             self.collector.update_policy_weights_({k: v.detach().to(self.compute_dtype) if v.is_floating_point()
-                                                   else v for k, v in state.items()})
+                                                   else v for k, v in self.model.state_dict().items()})
         elif self.rollout_model is not self.model:
+            state = self.model.state_dict()
             self.rollout_model.load_state_dict(state)  # cast into the engine's copy
             self.collector.update_policy_weights_(state)
+        self.weight_sync_s = time.perf_counter() - t0
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Success on the held-out panel (fixed odd seeds, the same panel every time)."""
+        """Success on the held-out panel (fixed odd seeds, the same panel every time); under
+        torchrun every rank plays its share of the panel with its engine (all ranks call it)."""
         self.model.eval()
-        env = build_env(self.cfg, self.tokenizer, split="eval", policy=self.eval_policy)
+        env = build_env(rollout_config(self.cfg, "eval"), self.tokenizer, split="eval", policy=self.eval_policy)
         try:
-            rows = StepCollector(env, self.eval_policy, seed=self.cfg.seed).collect()
+            rows = build_collector(self.cfg, env, self.eval_policy, split="eval").collect()
         finally:
             env.close()  # worker processes, if any
         self.model.train()
@@ -384,14 +428,15 @@ class Trainer:
         load_full_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}))
         self.sync_weights()  # the rollout engine gets the loaded weights
         self.iteration = broadcast_object(state.get("iteration"))
+        # every rank's collector and algorithm hooks resume at rank 0's place
+        self.collector.load_state_dict(broadcast_object(state.get("collector")))
+        self.hooks.load_state_dict(broadcast_object(state.get("algorithm", {})))
         if not is_main_process():
             return
-        self.collector.load_state_dict(state["collector"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(numpy_state(state["rng"]["numpy"]))
         self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
-        self.hooks.load_state_dict(state.get("algorithm", {}))
         self.last_checkpoint = Path(path)
 
     def close(self) -> None:
@@ -419,25 +464,23 @@ class Trainer:
     def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
         """This iteration's training rows, with their advantages, on every rank; and their metrics.
 
-        Rank 0 collects (:meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithms.AlgorithmHooks.collect>`),
-        leaves out faulted episodes, computes the advantages (and PPO's critic update) and broadcasts
-        the rows; the other ranks receive them (the metrics dict is empty there). ``None`` rows: every
-        episode of the batch faulted, no update this iteration."""
-        if not is_main_process():
-            return broadcast_object(None), {}
+        Every rank collects its share of the groups with its own engine and receives the others'
+        rows (:class:`~torchrl_agent.collectors.DistributedStepCollector`; in a single process the
+        :class:`~torchrl_agent.collectors.StepCollector` collects them all), through
+        :meth:`AlgorithmHooks.collect <torchrl_agent.trainers.algorithms.AlgorithmHooks.collect>`;
+        then every rank leaves out the faulted episodes and computes the advantages on the same
+        rows. ``None`` rows: every episode of the batch faulted, no update this iteration."""
         rows, sampling = self.hooks.collect(self.collector)
         rows, faults = self._drop_faulted(rows)
         metrics = {**faults, **sampling}
         if rows is None:
-            broadcast_object(None)
             return None, metrics
         rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
-        rows = broadcast_object(rows)  # to every rank (as is in a single process)
         metrics.update(episode_metrics(rows), **prepared)
         return rows, metrics
 
     def train(self) -> dict:
-        """Runs the iterations (every rank under torchrun; rank 0 alone evaluates, logs and plots);
+        """Runs the iterations (every rank under torchrun; rank 0 alone logs and plots);
         returns the run summary on rank 0 (``{}`` on the other ranks)."""
         cfg = self.cfg
         main = is_main_process()
@@ -460,8 +503,9 @@ class Trainer:
         if main:
             metrics_file = self._open_metrics(keep_through=start - 1)
         if self.resume_path is None and cfg.warm_start.steps > 0:
+            success = self.evaluate()["eval_success"]  # every rank plays its share of the panel
             if main:  # the untrained policy's held-out success, plotted at iteration -1
-                self.evals.append((-1, self.evaluate()["eval_success"]))
+                self.evals.append((-1, success))
             summary.update(self.warm_start())
             self.sync_weights()
             if main:
@@ -472,7 +516,7 @@ class Trainer:
                 self.iteration = it
                 t0 = time.perf_counter()
                 record: dict = {"iteration": it}
-                if main and (it == 0 or (cfg.eval_every and it % cfg.eval_every == 0)):
+                if it == 0 or (cfg.eval_every and it % cfg.eval_every == 0):
                     record.update(self.evaluate())
                     evals.append((it, record["eval_success"]))
                 rows, collected = self.collect_rows()
@@ -509,10 +553,13 @@ class Trainer:
         except CheckpointError as err:  # training is done: the final evaluation and the summary still come
             logger.error("%s", err)
             summary["checkpoint_error"] = str(err)
-        if not main:
-            return {}
+        if cfg.collector.kind != "step":
+            self.collector.shutdown()  # its processes / actors
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
+        if not main:
+            self.close()
+            return {}
         evals.append((cfg.iterations, final["eval_success"]))
         self._log(final, writer, metrics_file)
         if writer is not None:

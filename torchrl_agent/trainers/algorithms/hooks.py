@@ -38,7 +38,7 @@ def build_kl_controller(a) -> FixedKLController:
 
 
 class AlgorithmHooks:
-    """The per-algorithm parts of :class:`~torchrl_agent.trainers.Trainer` (rank 0 only).
+    """The per-algorithm parts of :class:`~torchrl_agent.trainers.Trainer` (every rank, on the same rows).
 
     Args:
         cfg: the run's :class:`~torchrl_agent.trainers.config.TrainConfig`.
