@@ -52,6 +52,8 @@ NOT_RUN = {
         "a 73-minute benchmark; tests/test_learning.py runs its --quick form",
     ".venv/bin/torchrl-agent train env=sokoban env.template=reference env.action_format=reference":
         "a full Sokoban run (minutes); tests/test_reference_mode.py checks the reference mode",
+    "python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0":
+        "30-iteration chaos benchmarks (many trainer launches); tests/test_resilience.py runs the short one",
 }
 PYTHON = _blocks("python")
 BASH = _blocks("bash")
