@@ -62,6 +62,8 @@ NOT_RUN = {
         "a benchmark of minutes; its figures are in the page",
     "benchmarks/gpu_smoke.sh                              # CUDA: the ALFWorld shape":
         "needs a CUDA GPU; tests run its --tiny CPU form",
+    "python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0":
+        "30-iteration chaos benchmarks (many trainer launches); tests/test_resilience.py runs the short one",
 }
 PYTHON = _blocks("python")
 BASH = _blocks("bash")
