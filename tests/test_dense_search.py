@@ -125,7 +125,7 @@ def test_searchr1_jsonl_and_parquet(tmp_path):
     assert [q.question for q in load_searchr1_questions(parquet)] == [q.question for q in questions[:2]]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question": "q", "golden_answers": ["a"]}\nnot json\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match="bad.jsonl: line 2 is not valid JSON"):
         load_searchr1_questions(bad)
     with pytest.raises(ValueError, match="no usable question"):
         (tmp_path / "empty.jsonl").write_text('{"question": ""}\n')

@@ -4,7 +4,6 @@ iteration through the config without any change to the trainer."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from tensordict.nn import TensorDictModuleBase
 
 from torchrl_agent.objectives import episode_scores
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY, Algorithm, register_algorithm
-from torchrl_agent.trainers.cli import compose_config, config_dir
+from torchrl_agent.trainers.cli import compose_config
 
 
 class BatchMeanAdvantage(TensorDictModuleBase):
@@ -47,21 +46,21 @@ kl_coef: 0.0
 
 
 @pytest.fixture
-def toy_configs(tmp_path, monkeypatch):
-    """The project's config folder plus ``algorithm/toy.yaml``, with ``toy`` registered."""
-    folder = tmp_path / "configs"
-    shutil.copytree(config_dir(), folder)
+def toy_configs(tmp_path):
+    """A config folder of one's own holding ``algorithm/toy.yaml`` (composed on top of the shipped
+    configs through Hydra's search path), with ``toy`` registered."""
+    folder = tmp_path / "my_configs"
+    (folder / "algorithm").mkdir(parents=True)
     (folder / "algorithm" / "toy.yaml").write_text(TOY_YAML)
-    monkeypatch.setenv("TORCHRL_AGENT_CONFIGS", str(folder))
     register_algorithm(TOY)
-    yield folder
+    yield f"hydra.searchpath=[file://{folder}]"
     ALGORITHM_REGISTRY.pop("toy")
 
 
 def test_a_toy_algorithm_trains_through_the_config(toy_configs, tmp_path):
     from torchrl_agent.trainers import Trainer
 
-    cfg = compose_config(["experiment=smoke", "algorithm=toy", "iterations=1", "eval_every=0", "env.num_groups=2",
+    cfg = compose_config([toy_configs, "experiment=smoke", "algorithm=toy", "iterations=1", "eval_every=0", "env.num_groups=2",
                           "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2", "rollout.max_new_tokens=6",
                           "progress=false", "algorithm.lr=1e-3", "threads=1", f"run_dir={tmp_path / 'run'}"])
     assert (cfg.algorithm.name, cfg.algorithm.invalid_penalty, cfg.algorithm.eps_high) == ("toy", 0.2, 0.28)
@@ -80,6 +79,6 @@ def test_an_unregistered_algorithm_name_fails_at_start_naming_the_key(toy_config
     ALGORITHM_REGISTRY.pop("toy")
     try:
         with pytest.raises(ValueError, match="algorithm.name: unknown algorithm 'toy'; valid: .*grpo"):
-            compose_config(["experiment=smoke", "algorithm=toy"])
+            compose_config([toy_configs, "experiment=smoke", "algorithm=toy"])
     finally:
         register_algorithm(TOY)

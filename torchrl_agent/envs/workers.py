@@ -44,6 +44,7 @@ from torchrl.data import Categorical
 from torchrl.envs import EnvBase
 
 from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list
+from torchrl_agent.envs.data_files import DataFileError
 from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
 
 __all__ = ["ParallelTextEnv"]
@@ -94,6 +95,9 @@ def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | 
         env = _build_env(factory, num_games, env_kwargs)
         games = env.games
         conn.send(("ready", int(env.max_steps)))
+    except (DataFileError, FileNotFoundError) as err:  # a bad or missing data file: the parent raises it as is
+        conn.send(("error", traceback.format_exc(), err))
+        return
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
@@ -242,6 +246,8 @@ class ParallelTextEnv(TextEnv):
             if message is None or message[0] != "ready":
                 for other in workers:
                     other.kill()
+                if message is not None and len(message) > 2:
+                    raise message[2]  # its one-line message names the file (and the record and field)
                 reason = message[1] if message else "no answer (died or timed out)"
                 raise RuntimeError(f"worker {w.rank} of {self._factory!r} failed to start:\n{reason}")
             max_steps = message[1]

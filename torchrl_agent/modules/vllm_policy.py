@@ -225,12 +225,14 @@ class VLLMPolicy(LLMPolicy):
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
-        if self.in_process and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if (self.in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
             # under torchrun: vLLM's external launcher makes this rank's engine one of several
             # independent engines over the trainer's process group (consecutive ranks form one
             # tensor-parallel engine); the default executor would take the whole group for its
             # own world and wait for the other ranks in collectives they never join (a hang).
             # Every rank must build its engine at the same time (vLLM's set-up is collective).
+            # (A world of 1 is the group an earlier in-process engine made for itself: not torchrun.)
             llm_kwargs.setdefault("distributed_executor_backend", "external_launcher")
         if llm_kwargs.get("enable_sleep_mode") and not sleep_mode_available():
             llm_kwargs["enable_sleep_mode"] = False  # said once; the engine keeps its memory

@@ -13,7 +13,7 @@ from torchrl_agent.modules import TransformersPolicy
 from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
-           "prompt_budget", "rollout_config"]
+           "prompt_budget", "rollout_config", "vllm_engine_kwargs"]
 
 
 def build_policy(cfg, model, tokenizer):
@@ -28,14 +28,20 @@ def build_policy(cfg, model, tokenizer):
 
         if cfg.model.lora_rank > 0:
             raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
-        budget = prompt_budget(cfg, tokenizer)  # the engine's context fits every prompt the env sends
-        return VLLMPolicy(model_path(cfg.model), tokenizer, dtype=cfg.model.dtype, seed=cfg.seed,
-                          max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_prompt_tokens=budget,
-                          max_model_len=r.max_model_len or budget + r.max_new_tokens,
-                          max_num_seqs=r.max_num_seqs or r.batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                          tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager,
-                          sleep_mode=r.sleep_mode)
+        return VLLMPolicy(tokenizer=tokenizer, **vllm_engine_kwargs(cfg, tokenizer))
     raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
+
+
+def vllm_engine_kwargs(cfg, tokenizer) -> dict:
+    """The keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` for ``cfg`` (all picklable:
+    also the engine server's of :class:`~torchrl_agent.collectors.MultiProcessStepCollector`)."""
+    r = cfg.rollout
+    budget = prompt_budget(cfg, tokenizer)  # the engine's context fits every prompt the env sends
+    return dict(model_path=str(model_path(cfg.model)), dtype=cfg.model.dtype, seed=cfg.seed,
+                max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_prompt_tokens=budget,
+                max_model_len=r.max_model_len or budget + r.max_new_tokens,
+                max_num_seqs=r.max_num_seqs or r.batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, sleep_mode=r.sleep_mode)
 
 
 def engine_ranks(cfg) -> int:
@@ -63,15 +69,25 @@ def rollout_config(cfg, split: str = "train"):
     return cfg
 
 
-def build_collector(cfg, env, policy, *, split: str = "train"):
-    """The collector of ``env`` (built from :func:`rollout_config`): complete groups of episodes,
-    seeded by ``cfg.seed``. A single process: a :class:`~torchrl_agent.collectors.StepCollector`;
-    under torchrun a :class:`~torchrl_agent.collectors.DistributedStepCollector` (every rank its
-    groups with its own engine, the rows gathered on every rank)."""
+def build_collector(cfg, env, policy, *, split: str = "train", tokenizer=None):
+    """The collector of a run, per ``collector.kind``: complete groups of episodes, seeded by ``cfg.seed``.
+
+    - ``step`` (default): ``env`` (built from :func:`rollout_config`) stepped with ``policy``: a
+      :class:`~torchrl_agent.collectors.StepCollector` in a single process; under torchrun a
+      :class:`~torchrl_agent.collectors.DistributedStepCollector` (every rank its groups with its
+      own engine, the rows gathered on every rank). Evaluation (``split="eval"``) always uses it.
+    - ``multiprocess``: a :class:`~torchrl_agent.collectors.MultiProcessStepCollector`, collector
+      processes over one vLLM engine server (``env`` and ``policy`` unused);
+    - ``ray``: a :class:`~torchrl_agent.collectors.RayStepCollector`, Ray actors with an engine of
+      ``rollout.engine`` each.
+    """
     from torchrl_agent.collectors.distributed import DistributedStepCollector, rollout_rank
     from torchrl_agent.trainers.distributed import is_main_process
 
     train = split == "train"
+    c = cfg.collector
+    if train and c.kind != "step":
+        return _sharded_collector(cfg, tokenizer)
     lockstep, progress = cfg.rollout.lockstep and train, cfg.progress and train
     tp = engine_ranks(cfg)
     if rollout_rank(tp)[1] == 1:
@@ -79,6 +95,29 @@ def build_collector(cfg, env, policy, *, split: str = "train"):
     total = cfg.env.num_groups if train else cfg.env.eval_episodes
     return DistributedStepCollector(env, policy, num_groups=total, seed=cfg.seed, lockstep=lockstep,
                                     progress=progress and is_main_process(), tp_size=tp)
+
+
+def _sharded_collector(cfg, tokenizer):
+    from torchrl_agent.collectors import ConfigEnvFactory
+
+    c, r = cfg.collector, cfg.rollout
+    common = dict(num_groups=cfg.env.num_groups, num_collectors=c.num_collectors, seed=cfg.seed,
+                  max_batches_ahead=c.max_batches_ahead)
+    if c.kind == "multiprocess":
+        from torchrl_agent.collectors import MultiProcessStepCollector
+
+        return MultiProcessStepCollector(ConfigEnvFactory(cfg), engine=vllm_engine_kwargs(cfg, tokenizer),
+                                         engine_threads=c.engine_threads, **common)
+    from torchrl_agent.collectors.ray import PolicyFactory, RayStepCollector
+
+    if r.engine == "vllm":
+        kwargs = vllm_engine_kwargs(cfg, tokenizer)
+        factory = PolicyFactory("vllm", kwargs.pop("model_path"), dtype=kwargs.pop("dtype"), kwargs=kwargs)
+    else:  # a transformers copy of the model in each actor, sampling each request from its seed
+        factory = PolicyFactory("transformers", str(model_path(cfg.model)), dtype=cfg.model.dtype,
+                                kwargs=dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                            batch_size=r.batch_size))
+    return RayStepCollector(ConfigEnvFactory(cfg), factory, **common)
 
 
 def build_advantage(cfg):

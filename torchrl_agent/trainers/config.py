@@ -151,6 +151,19 @@ class WandbConfig:
 
 
 @dataclass
+class CollectorConfig:
+    """How training rows are collected (docs/distributed.md)."""
+
+    # step: in the trainer's own process(es) (under torchrun every rank collects its share of the
+    # groups with its own engine); multiprocess: `num_collectors` collector processes sharing one
+    # vLLM engine server (rollout.engine=vllm); ray: `num_collectors` Ray actors, an engine each
+    kind: str = "step"
+    num_collectors: int = 2  # multiprocess / ray: collector processes or actors (at most env.num_groups)
+    max_batches_ahead: int = 0  # multiprocess / ray: batches collected ahead of the update (0: on-policy)
+    engine_threads: int = 1  # multiprocess: torch threads of the engine server
+
+
+@dataclass
 class TrainConfig:
     env: EnvConfig = field(default_factory=EnvConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,6 +173,7 @@ class TrainConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    collector: CollectorConfig = field(default_factory=CollectorConfig)
     iterations: int = 4
     eval_every: int = 2  # evaluate on held-out seeds every k iterations (and at the first and last)
     seed: int = 0
@@ -169,6 +183,6 @@ class TrainConfig:
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
     device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)
-    # under torchrun: seconds a collective waits for every rank (a rank collecting or evaluating
-    # longer than this fails the run); 30 minutes is torch's default
+    # under torchrun: how long a rank waits in a collective for the others (an evaluation or a
+    # collection of a long ALFWorld iteration runs between two collectives)
     collective_timeout_s: float = 1800.0

@@ -93,6 +93,7 @@ from torchrl_agent.trainers.run_dir import (
     metrics_iterations,
     new_run_dir,
     open_metrics,
+    open_tensorboard,
 )
 from torchrl_agent.trainers.validate import validate_config
 
@@ -129,8 +130,11 @@ class Trainer:
         self.policy = build_policy(cfg, self.rollout_model, self.tokenizer)
         self.eval_policy = copy.copy(self.policy)  # the same engine, sampled at the evaluation temperature
         self.eval_policy.temperature = r.eval_temperature
-        self.env = build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
-        self.collector = build_collector(cfg, self.env, self.policy)
+        # (collector.kind=multiprocess/ray: the collector's processes build their own envs and engines;
+        # this process's engine evaluates)
+        sharded = cfg.collector.kind != "step"
+        self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
+        self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
         self.weight_sync_s = 0.0  # the last weight sync's seconds
         self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
@@ -267,6 +271,7 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.warmup_lr()
+        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
         old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
@@ -329,7 +334,15 @@ class Trainer:
         every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
         them into its own engine."""
         t0 = time.perf_counter()
-        if is_distributed():
+        self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
+        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
+            state = full_weights(self.model, self.compute_dtype)
+            self.collector.update_policy_weights_(state)
+            if self.rollout_model is None:
+                self.policy.update_weights(state)
+            elif self.rollout_model is not self.model:
+                self.rollout_model.load_state_dict(state)
+        elif is_distributed():
             state = full_weights(self.model, self.compute_dtype)
             if self.rollout_model is not None:
                 self.rollout_model.load_state_dict(state)
@@ -469,8 +482,6 @@ class Trainer:
     def train(self) -> dict:
         """Runs the iterations (every rank under torchrun; rank 0 alone logs and plots);
         returns the run summary on rank 0 (``{}`` on the other ranks)."""
-        from torch.utils.tensorboard import SummaryWriter
-
         cfg = self.cfg
         main = is_main_process()
         writer = metrics_file = None
@@ -478,7 +489,7 @@ class Trainer:
         self.signals.install()
         if main:
             # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
-            writer = GuardedSink("TensorBoard", SummaryWriter(str(self.run_dir / "tensorboard")))
+            writer = open_tensorboard(self.run_dir / "tensorboard")
             self.wandb = init_wandb(cfg, self.run_dir)
             self.wandb = None if self.wandb is None else GuardedSink("W&B", self.wandb)
         t_start = time.perf_counter()
@@ -544,6 +555,8 @@ class Trainer:
         except CheckpointError as err:  # training is done: the final evaluation and the summary still come
             logger.error("%s", err)
             summary["checkpoint_error"] = str(err)
+        if cfg.collector.kind != "step":
+            self.collector.shutdown()  # its processes / actors
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         if not main:
@@ -551,7 +564,8 @@ class Trainer:
             return {}
         evals.append((cfg.iterations, final["eval_success"]))
         self._log(final, writer, metrics_file)
-        writer.close()
+        if writer is not None:
+            writer.close()
         metrics_file.close()
         summary.update(
             iterations=cfg.iterations,
@@ -562,8 +576,11 @@ class Trainer:
             train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
             wall_s=round(time.perf_counter() - t_start, 1),
         )
-        plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
-                            f"{cfg.env.name} / {cfg.algorithm.name}")
+        try:
+            plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
+                                f"{cfg.env.name} / {cfg.algorithm.name}")
+        except OSError as err:  # a full disk: the plot is a view of metrics.jsonl
+            logger.error("learning_curve.png not written (%s)", err)
         self.close()
         return summary
 

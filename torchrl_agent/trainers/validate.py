@@ -38,6 +38,7 @@ _AT_LEAST = {
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
+    "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
@@ -52,7 +53,7 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
 _CHOICES = {
     "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
     "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
-    "algorithm.ratio": ("token", "sequence"),
+    "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
 }
 
 
@@ -95,6 +96,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
     if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
         raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    _check_collector(cfg)
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
     if check_files:
@@ -108,6 +110,27 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"resume={cfg.resume}: no such file or directory")
         if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
             raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
+
+
+def _check_collector(cfg) -> None:
+    """The ``collector`` section against the engine, the groups and the launch."""
+    c = _get(cfg, "collector")
+    if c is None or c.kind == "step":
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError(f"collector.kind={c.kind} is not supported under torchrun: use collector.kind=step "
+                          "(every rank collects its share of the groups with its own engine)")
+    if c.kind == "multiprocess" and cfg.rollout.engine != "vllm":
+        raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm")
+    if c.num_collectors > cfg.env.num_groups:
+        raise ConfigError(f"collector.num_collectors={c.num_collectors}: at most env.num_groups={cfg.env.num_groups} "
+                          "(every collector steps whole groups)")
+    if cfg.algorithm.name in ALGORITHM_REGISTRY and ALGORITHM_REGISTRY[cfg.algorithm.name].baseline is not None:
+        raise ConfigError(f"collector.kind={c.kind} with algorithm.name={cfg.algorithm.name}: its baseline episodes "
+                          "replay the training env's group seeds in the trainer's process; use collector.kind=step")
+    if cfg.memory.kind == "summary":
+        raise ConfigError(f"collector.kind={c.kind} with memory.kind=summary: the collector processes have no "
+                          "summarising policy; use collector.kind=step")
 
 
 def _check_algorithm(cfg) -> None:

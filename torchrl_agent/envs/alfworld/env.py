@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from torchrl_agent.envs.alfworld.files import check_task_types, find_game_files, task_type_of
+from torchrl_agent.envs.alfworld.files import check_task_types, find_game_files, read_game_file, task_type_of
 from torchrl_agent.envs.alfworld.game import ALFWorldGame, require_alfworld
 from torchrl_agent.envs.alfworld.generator import generated_data_dir
 from torchrl_agent.envs.base import TextEnv
@@ -57,6 +57,8 @@ class ALFWorldEnv(TextEnv):
             missing = [f for f in files if not os.path.isfile(f)]
             if missing:
                 raise FileNotFoundError(f"game_files: no such game file(s): {missing[:3]}")
+            for f in files:
+                read_game_file(f)  # a garbled game fails now, naming its file, not when it is played
             files = [f for f in files if task_type_of(f) in self.task_types]
         else:
             if data_dir is None:

@@ -12,7 +12,7 @@ from typing import Literal
 import numpy as np
 
 from torchrl_agent.envs.appworld.client import AppWorldWorker, appworld_python
-from torchrl_agent.envs.appworld.tasks import build_project_root, load_project_tasks
+from torchrl_agent.envs.appworld.tasks import build_project_root, check_appworld_tasks, load_project_tasks
 from torchrl_agent.envs.base import GameState, TextEnv, TextGame, _as_str_list
 
 __all__ = ["AppWorldEnv", "AppWorldGame", "parse_code"]
@@ -147,15 +147,19 @@ class AppWorldEnv(TextEnv):
                 raise FileNotFoundError(f"data_dir {root} has no data/tasks folder (run `appworld download data` there)")
             checks: dict[str, dict] = {}
             if task_ids is None:
+                dataset = eval_dataset if split == "eval" else train_dataset
+                dataset_file = root / "data" / "datasets" / f"{dataset}.txt"
+                if not dataset_file.is_file():
+                    raise FileNotFoundError(f"AppWorld dataset {dataset!r} has no file {dataset_file}")
                 lister = AppWorldWorker(self.python, timeout=timeout)
                 try:
-                    dataset = eval_dataset if split == "eval" else train_dataset
                     task_ids = lister.request({"op": "list", "root": str(root), "dataset": dataset})["task_ids"]
                 finally:
                     lister.close()
+            check_appworld_tasks(root, list(task_ids))
         else:
+            tasks = load_project_tasks()  # checked before the (slow) build of their data folder
             root = build_project_root(self.python, cache_dir)
-            tasks = load_project_tasks()
             checks = {t["id"]: t["check"] for t in tasks}
             if task_ids is None:
                 task_ids = [t["id"] for t in tasks if t["split"] == ("test" if split == "eval" else "train")]

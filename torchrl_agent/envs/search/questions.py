@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from torchrl_agent.envs.base import stable_hash
+from torchrl_agent.envs.data_files import DataFileError, check_type, describe, read_json
 from torchrl_agent.envs.search.answers import normalize_answer
 from torchrl_agent.envs.search.corpus import _package_data, load_wiki_corpus
 
@@ -111,38 +112,58 @@ def split_questions(
     return tuple(q for q in questions if (stable_hash(key(q)) % eval_fraction == 0) == is_eval)
 
 
-def _read_rows(path: Path) -> list[dict]:
+def _read_rows(path: Path) -> list:
+    """The rows of a parquet, jsonl or json file, as Python objects (each should be a dict)."""
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as err:
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow), or convert it to jsonl") from err
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise DataFileError(path, f"not a readable parquet file ({err})") from None
     if suffix in (".jsonl", ".json"):
-        text = path.read_text(encoding="utf-8")
-        if suffix == ".json" and text.lstrip().startswith("["):
-            return json.loads(text)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise DataFileError(path, f"not UTF-8 text (byte {err.start}: {err.reason})") from None
+        if suffix == ".json" and text.lstrip().startswith("["):  # one JSON array, else one object a line
+            return read_json(path)
         rows = []
         for n, line in enumerate(text.splitlines(), 1):
             if line.strip():
                 try:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{n}: not a JSON object ({err})") from err
+                    raise DataFileError(path, f"line {n} is not valid JSON ({err.msg}, column {err.colno})") from None
         return rows
     raise ValueError(f"{path}: Search-R1 data must be .parquet, .jsonl or .json, got {suffix!r}")
 
 
-def _golden_answers(row: dict) -> list[str]:
-    answers = row.get("golden_answers")
+def _golden_answers(row: dict, path: Path, n: int) -> list[str]:
+    """The gold answers of row ``n``: ``golden_answers`` (a list, or one string), else
+    ``reward_model.ground_truth.target``; a field of another type is a :class:`DataFileError`."""
+    field, answers = "golden_answers", row.get("golden_answers")
     if answers is None:  # Search-R1's processed files also carry them in reward_model.ground_truth.target
-        answers = ((row.get("reward_model") or {}).get("ground_truth") or {}).get("target")
+        node, field = row, None
+        for key in ("reward_model", "ground_truth", "target"):
+            check_type(node, dict, path, record=n, field=field)
+            field = key if field is None else f"{field}.{key}"
+            node = node.get(key)
+            if node is None:
+                return []
+        answers = node
     if isinstance(answers, str):
         answers = [answers]
-    if answers is None:
-        return []
-    return [str(a).strip() for a in list(answers) if str(a).strip()]
+    if not isinstance(answers, (list, tuple)):
+        raise DataFileError(path, f"must be a list of strings or a string, got {describe(answers)}", record=n,
+                            field=field)
+    for i, answer in enumerate(answers):
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            raise DataFileError(path, f"answer {i} must be a string, got {describe(answer)}", record=n, field=field)
+    return [str(a).strip() for a in answers if str(a).strip()]
 
 
 def load_searchr1_questions(path: str | os.PathLike, *, limit: int | None = None) -> tuple[SearchQuestion, ...]:
@@ -152,25 +173,35 @@ def load_searchr1_questions(path: str | os.PathLike, *, limit: int | None = None
     Search-R1's ``reward_model.ground_truth.target`` is read when ``golden_answers`` is missing);
     ``data_source`` (``nq``, ``hotpotqa``, ...) becomes the question's ``source``, which the env
     reports as its ``task_type`` so success is logged per source; ``id`` is kept when present.
-    Rows without a question or without answers are skipped (and counted in a warning).
+    Rows without a question or without answers are skipped (counted in a warning that names the
+    first one). A file that cannot be read, a row that is not an object, or a field of the wrong
+    type (``golden_answers: 3``) raises :class:`~torchrl_agent.envs.data_files.DataFileError`
+    naming the file, the row (0-based) and the field.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Search-R1 data file {path} does not exist")
-    questions, skipped = [], 0
+    questions, skipped = [], []
     for n, row in enumerate(_read_rows(path)):
         if limit is not None and len(questions) >= limit:
             break
-        question = str(row.get("question") or "").strip() if isinstance(row, dict) else ""
-        answers = _golden_answers(row) if question else []
+        check_type(row, dict, path, record=n)
+        question = row.get("question")
+        if question is not None:
+            question = check_type(question, str, path, record=n, field="question").strip()
+        for field in ("data_source", "id"):
+            if row.get(field) is not None:
+                check_type(row[field], (str, int), path, record=n, field=field)
+        answers = _golden_answers(row, path, n)
         if not question or not answers:
-            skipped += 1
+            skipped.append(n)
             continue
         source = str(row.get("data_source") or "")
         qid = str(row.get("id", f"{source or path.stem}_{n}"))
         questions.append(SearchQuestion(id=qid, question=question, answers=tuple(answers), source=source))
     if skipped:
-        logger.warning("%s: skipped %d rows without a question or golden answers", path, skipped)
+        logger.warning("%s: skipped %d rows without a question or golden answers (the first: row %d)", path,
+                       len(skipped), skipped[0])
     if not questions:
         raise ValueError(f"{path} holds no usable question (rows need 'question' and 'golden_answers')")
     return tuple(questions)

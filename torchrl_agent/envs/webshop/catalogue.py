@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
 import random
 import re
@@ -14,6 +13,7 @@ from pathlib import Path
 
 from torchrl_agent.envs.base import stable_hash
 from torchrl_agent.envs.bm25 import LuceneBM25
+from torchrl_agent.envs.data_files import DataFileError, check_str_list, check_type, read_json
 
 __all__ = ["SHIPPED_DATA_DIR", "WebShopCatalogue", "WebShopGoal", "load_catalogue"]
 
@@ -66,11 +66,73 @@ def _parse_pricing(pricing) -> tuple[list[float], str]:
 
 def _read_json(path: Path):
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return read_json(path)
     except FileNotFoundError as err:
         raise FileNotFoundError(
             f"WebShop data file {path} is missing (WebShop's setup.sh downloads it into web_agent_site/../data)"
         ) from err
+
+
+def _check_item(item, index: int, path) -> None:
+    """One product record of ``items_shuffle*.json`` (the fields the catalogue reads).
+
+    The common case (every field fine) costs a few ``isinstance`` calls; :func:`check_type` is
+    called to name the record and the field only when one fails.
+    """
+    if not isinstance(item, dict):
+        check_type(item, dict, path, record=index)
+    asin = item.get("asin")
+    if not isinstance(asin, str):
+        if "asin" not in item:
+            raise DataFileError(path, "is missing", record=index, field="asin")
+        check_type(asin, str, path, record=index, field="asin")
+    for field in _ITEM_TEXT_FIELDS:
+        value = item.get(field)
+        if value is not None and not isinstance(value, str):
+            check_type(value, str, path, record=f"{index} (asin {asin})", field=field)
+    bullets = item.get("small_description")
+    if bullets is not None and not isinstance(bullets, str):
+        check_str_list(bullets, path, record=f"{index} (asin {asin})", field="small_description")
+    options = item.get("customization_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        check_type(options, dict, path, record=f"{index} (asin {asin})", field="customization_options")
+    for name, contents in options.items():
+        if contents is None:
+            continue
+        if not isinstance(contents, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("value"), str) for c in contents):
+            where, field = f"{index} (asin {asin})", f"customization_options.{name}"
+            check_type(contents, list, path, record=where, field=field)
+            for i, content in enumerate(contents):
+                check_type(content, dict, path, record=where, field=f"{field}[{i}]")
+                check_type(content.get("value"), str, path, record=where, field=f"{field}[{i}].value")
+
+
+_ITEM_TEXT_FIELDS = ("name", "full_description", "category", "query", "product_category", "pricing")
+
+
+def _check_instructions(info, asin: str, path) -> None:
+    """One product's entry of ``items_ins_v2*.json``: its attributes and synthetic instruction."""
+    check_type(info, dict, path, record=asin)
+    for field in ("attributes", "instruction_attributes"):
+        if info.get(field) is not None:
+            check_str_list(info[field], path, record=asin, field=field)
+    if info.get("instruction") is not None:
+        check_type(info["instruction"], str, path, record=asin, field="instruction")
+
+
+def _check_human(entries, asin: str, path) -> None:
+    """One product's entry of ``items_human_ins*.json``: a list of human instructions."""
+    check_type(entries, list, path, record=asin)
+    for i, entry in enumerate(entries):
+        where = f"{asin}[{i}]"
+        check_type(entry, dict, path, record=where)
+        check_type(entry.get("instruction"), str, path, record=where, field="instruction")
+        for field in ("instruction_attributes", "instruction_options"):
+            if entry.get(field) is not None:
+                check_str_list(entry[field], path, record=where, field=field)
 
 
 class WebShopCatalogue:
@@ -83,15 +145,34 @@ class WebShopCatalogue:
     """
 
     def __init__(self, items: list, attributes: dict, human: dict | None, *, human_goals: bool,
-                 num_products: int | None, source: str):
+                 num_products: int | None, source: str,
+                 files: tuple[str, str, str] = ("items", "attributes", "human instructions")):
         self.source, self.human_goals = source, human_goals
+        items_file, attributes_file, human_file = files
+        check_type(items, list, items_file, expected="a list of products (WebShop's items_shuffle format)")
+        check_type(attributes, dict, attributes_file,
+                   expected="an object of asin -> attributes and instruction (WebShop's items_ins_v2 format)")
+        if human_goals:
+            check_type(human, dict, human_file,
+                       expected="an object of asin -> list of instructions (WebShop's items_human_ins format)")
         if num_products is not None:
             items = items[:num_products]
         self.products: list[dict] = []
-        for item in items:
+        skipped: list[int] = []
+        for index, item in enumerate(items):  # every record used is checked (cheap beside json.load itself)
+            _check_item(item, index, items_file)
+            if item["asin"] in attributes:
+                _check_instructions(attributes[item["asin"]], item["asin"], attributes_file)
+            if human_goals and item["asin"] in human:
+                _check_human(human[item["asin"]], item["asin"], human_file)
             product = self._process(item, attributes, human if human_goals else None)
             if product is not None:
                 self.products.append(product)
+            else:
+                skipped.append(index)
+        if skipped:
+            logger.warning("%s: skipped %d products whose asin is empty, 'nan' or longer than 10 characters (as "
+                           "WebShop does); the first: record %d", items_file, len(skipped), skipped[0])
         if not self.products:
             raise ValueError(f"{source}: no products")
         self.by_asin = {p["asin"]: p for p in self.products}
@@ -214,6 +295,10 @@ def load_catalogue(data_dir: str | None = None, human_goals: bool = False, small
             (the reference trains on synthetic goals).
         small: the 1000-product files (the reference's ``use_small``).
         num_products: keep only the first ``num_products`` products.
+
+    Every product used, and its entries in the instruction files, is checked as it is read: a file
+    that is not JSON (cut short) or a record with a mistyped field raises
+    :class:`~torchrl_agent.envs.data_files.DataFileError` naming the file, the record and the field.
     """
     if data_dir is None:
         folder, suffix, source = SHIPPED_DATA_DIR, "_small", "the shipped small catalogue"
@@ -223,8 +308,9 @@ def load_catalogue(data_dir: str | None = None, human_goals: bool = False, small
         folder, suffix, source = Path(data_dir).expanduser(), ("_1000" if small else ""), str(data_dir)
         if not folder.is_dir():
             raise FileNotFoundError(f"data_dir {folder} is not a folder")
-    items = _read_json(folder / f"items_shuffle{suffix}.json")
-    attributes = _read_json(folder / f"items_ins_v2{suffix}.json")
-    human = _read_json(folder / f"items_human_ins{suffix if data_dir is None else ''}.json") if human_goals else None
+    files = (folder / f"items_shuffle{suffix}.json", folder / f"items_ins_v2{suffix}.json",
+             folder / f"items_human_ins{suffix if data_dir is None else ''}.json")
+    items, attributes = _read_json(files[0]), _read_json(files[1])
+    human = _read_json(files[2]) if human_goals else None
     return WebShopCatalogue(items, attributes, human, human_goals=human_goals, num_products=num_products,
-                            source=source)
+                            source=source, files=tuple(str(f) for f in files))
