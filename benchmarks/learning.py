@@ -183,6 +183,66 @@ def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
     return float(won.float().mean())
 
 
+def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
+    """The warm-started policy's move distribution, before any RL: over up to ``max_prompts``
+    distinct training prompts (states a random walk visits), the probability of each admissible
+    move's full response, normalised over the admissible moves. ``move_prob_mean``: per move, the
+    mean over prompts; ``state_dependence``: the mean total-variation distance between a prompt's
+    distribution and that mean (0: the policy plays the same distribution whatever the state);
+    ``valid_mass_mean``: the probability the responses of admissible moves hold together."""
+    import tempfile
+
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.envs.utils import step_mdp
+
+    from torchrl_agent.envs.transforms.projection import resolve_format
+    from torchrl_agent.trainers.warm_start import expert_response
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [o for o in overrides_for(task, "gigpo", seed, args) if not o.startswith(("run_dir=", "iterations="))]
+        cfg = compose_config(overrides + [f"run_dir={tmp}", "iterations=0"])
+        trainer = Trainer(cfg)
+        trainer.warm_start()
+        tok, rng = trainer.tokenizer, random.Random(seed)
+        env = build_env(cfg, tok)
+        prompts: dict[str, list[str]] = {}
+        td = env.reset()
+        while not td["done"].all() and len(prompts) < max_prompts:
+            actions = []
+            for i in range(env.batch_size[0]):
+                moves = [m for m in td["admissible_actions"][i].split("\n") if m] or [""]
+                if not td["done"][i].item() and moves != [""]:
+                    prompts.setdefault(td[i]["text", "prompt"], moves)
+                actions.append(rng.choice(moves))
+            td["action"] = actions
+            td = step_mdp(env.step(td))
+        env.close()
+        fmt, eos = resolve_format(cfg.env.action_format, cfg.env.name), tok.eos_token_id
+        items, owners = [], []
+        for k, (prompt, moves) in enumerate(list(prompts.items())[:max_prompts]):
+            ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
+            for move in moves:
+                response = tok(expert_response(move, fmt, cfg.warm_start.think), add_special_tokens=False)["input_ids"]
+                items.append(TensorDict({"tokens": {"prompt": ids, "response": torch.tensor(response + [eos])}}))
+                owners.append((k, move))
+        seq = [float(lp.sum()) for lp in trainer.recompute(trainer.model, lazy_stack(items))]
+    per_prompt: dict[int, dict[str, float]] = {}
+    for (k, move), lp in zip(owners, seq):
+        per_prompt.setdefault(k, {})[move] = lp
+    dists, valid = [], []
+    for lps in per_prompt.values():
+        top = max(lps.values())
+        z = sum(math.exp(v - top) for v in lps.values())
+        dists.append({m: math.exp(v - top) / z for m, v in lps.items()})
+        valid.append(sum(math.exp(v) for v in lps.values()))
+    moves = sorted({m for d in dists for m in d})
+    mean = {m: statistics.fmean(d.get(m, 0.0) for d in dists) for m in moves}
+    tv = [0.5 * sum(abs(d.get(m, 0.0) - mean[m]) for m in moves) for d in dists]
+    return {"task": task, "seed": seed, "prompts": len(dists), "move_prob_mean": mean,
+            "top_move_prob_mean": max(mean.values()), "state_dependence": statistics.fmean(tv),
+            "valid_mass_mean": statistics.fmean(valid)}
+
+
 def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
     out = [f"experiment=learning_{task}", f"algorithm={method}", f"seed={seed}", "progress=false",
            f"run_dir={os.path.join(args.out, f'{task}_{method}_seed{seed}')}"]
@@ -399,9 +459,16 @@ def main() -> None:
     parser.add_argument("--plot", default=None, help="default: OUT/learning_curves.png")
     parser.add_argument("--markdown", default=None, help="also write the results tables (Markdown) to this file")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--warm-start-moves", default=None, metavar="TASK",
+                        help="per seed, the warm-started policy's move distribution (no RL), one JSON line each")
     parser.add_argument("--diagnose", default=None, metavar="TASK")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     args = parser.parse_args()
+    if args.warm_start_moves:
+        torch.set_num_threads(1)
+        for seed in args.seeds:
+            print(json.dumps(warm_start_moves(args.warm_start_moves, seed, args)), flush=True)
+        return
     if args.diagnose:
         torch.set_num_threads(1)
         run = run_one(args.diagnose, "grpo", args.seeds[0], args)

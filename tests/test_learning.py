@@ -209,3 +209,34 @@ def test_numberline_relative_observation_describes_the_same_state():
         assert "observation" in str(err)
     else:
         raise AssertionError("an unknown observation kind was accepted")
+
+
+def test_kl_reference_is_the_warm_started_policy(tmp_path):
+    """With a KL term and a warm start, the frozen reference is the policy after the warm start
+    (what RL starts from), not the untrained model."""
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.trainer import Trainer
+
+    cfg = compose_config(["experiment=smoke", "warm_start.steps=3", "warm_start.episodes=8", "iterations=0",
+                          "eval_every=0", "env.eval_episodes=2", "env.num_groups=1", "env.group_size=2",
+                          "algorithm.kl_coef=0.01", "progress=false", f"run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    untrained = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
+    trainer.train()
+    model, reference = trainer.model.state_dict(), trainer.reference.state_dict()
+    assert any(not torch.equal(untrained[k], reference[k]) for k in untrained)
+    assert all(torch.equal(model[k].to(reference[k].dtype), reference[k]) for k in reference)
+
+
+def test_warm_start_moves_is_a_distribution_over_the_admissible_moves(tmp_path):
+    import argparse
+
+    learning = _learning_module()
+    args = argparse.Namespace(out=str(tmp_path), iterations=None, quick=False,
+                              set=["warm_start.steps=2", "warm_start.episodes=8", "env.num_groups=2",
+                                   "env.group_size=2"])
+    out = learning.warm_start_moves("numberline", 0, args, max_prompts=6)
+    assert set(out["move_prob_mean"]) == {"+", "-"} and 1 <= out["prompts"] <= 6
+    assert abs(sum(out["move_prob_mean"].values()) - 1.0) < 1e-6
+    assert 0.5 <= out["top_move_prob_mean"] <= 1.0 and 0.0 <= out["state_dependence"] <= 1.0
+    assert 0.0 < out["valid_mass_mean"] <= 1.0

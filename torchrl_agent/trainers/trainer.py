@@ -508,6 +508,8 @@ class Trainer:
                 self.evals.append((-1, success))
             summary.update(self.warm_start())
             self.sync_weights()
+            if self.reference is not None:  # the KL term anchors the warm-started policy, not the untrained one
+                load_full_state_dict(self.reference, full_state_dict(self.model))
             if main:
                 logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         evals = self.evals
