@@ -194,7 +194,10 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                 continue
             done = [r["iteration"] for r in _metrics(run)]
             pending = [e for e in events if not e["fired"]]
-            if pending and done and max(done) >= pending[0]["after_iteration"] and max(done) < iterations:
+            # a fault only after the current launch trained an iteration itself: the previous fault's outcome
+            # (a resume) is in its log before the next fault can cut it short
+            trained = "metrics {" in sup.log_text(len(sup.launches) - 1)
+            if pending and trained and done and max(done) >= pending[0]["after_iteration"] and max(done) < iterations:
                 event = pending[0]
                 event["fired"], event["launch"] = True, len(sup.launches) - 1
                 kind = event["kind"]

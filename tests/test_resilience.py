@@ -485,6 +485,9 @@ def test_a_killed_trainer_leaves_no_orphans_and_resume_auto_takes_over_its_lock(
 
     run = tmp_path / "run"
     proc, children = _start_trainer(run)
+    deadline = time.monotonic() + 600  # iteration 0's checkpoint is written just after its metrics line
+    while find_resumable(run)[0] is None and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
     proc.kill()  # SIGKILL: no handler runs
     proc.communicate()
     assert not _gone(children, within=5.0)  # PR_SET_PDEATHSIG: the workers went with it
