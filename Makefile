@@ -62,7 +62,7 @@ test: venv
 
 # The docs site (docs/, mkdocs.yml) into site/; warnings are errors.
 docs: $(VENV)/.installed
-	$(BIN)/mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 lint: venv
 	$(BIN)/ruff check torchrl_agent tests benchmarks examples

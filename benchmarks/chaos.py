@@ -161,7 +161,7 @@ class Supervisor:
         return code
 
 
-def run_chaos(out: Path, iterations: int, schedule: str, seed: int) -> dict:
+def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path | None = None) -> dict:
     rng = random.Random(seed)
     kinds = list(SCHEDULES[schedule])
     rng.shuffle(kinds)
@@ -176,7 +176,7 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int) -> dict:
     overrides = [*SMOKE, f"iterations={iterations}", f"seed={seed}"]
     sup = Supervisor(run, overrides, logs)
     resumes, deadline = 0, time.monotonic() + 3600
-    sup.start(resume=False)
+    sup.start(resume=disk is not None)  # a mounted checkpoints folder: resume=auto starts the (empty) run
     try:
         while True:
             if time.monotonic() > deadline:
@@ -194,7 +194,10 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int) -> dict:
                 continue
             done = [r["iteration"] for r in _metrics(run)]
             pending = [e for e in events if not e["fired"]]
-            if pending and done and max(done) >= pending[0]["after_iteration"] and max(done) < iterations:
+            # a fault only after the current launch trained an iteration itself: the previous fault's outcome
+            # (a resume) is in its log before the next fault can cut it short
+            trained = "metrics {" in sup.log_text(len(sup.launches) - 1)
+            if pending and trained and done and max(done) >= pending[0]["after_iteration"] and max(done) < iterations:
                 event = pending[0]
                 event["fired"], event["launch"] = True, len(sup.launches) - 1
                 kind = event["kind"]
@@ -249,7 +252,7 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int) -> dict:
                   disk_full_method=disk.method if disk else None)
     result["final_weights_equal_clean_run"] = None
     if state is not None:
-        result["final_weights_equal_clean_run"] = _equal_to_clean_run(out, overrides, state)
+        result["final_weights_equal_clean_run"] = _equal_to_clean_run(out, overrides, state, clean)
     return result
 
 
@@ -291,16 +294,24 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
     }
 
 
-def _equal_to_clean_run(out: Path, overrides: list[str], state: dict) -> bool:
+def clean_run_args(iterations: int, seed: int, run_dir: Path) -> list[str]:
+    """The command of the unfaulted run the kill-only schedule compares with (``--clean``: run it
+    beforehand or beside the chaos run)."""
+    return [sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *SMOKE, f"iterations={iterations}",
+            f"seed={seed}", f"run_dir={run_dir}"]
+
+
+def _equal_to_clean_run(out: Path, overrides: list[str], state: dict, clean: Path | None = None) -> bool:
     import torch
 
     from torchrl_agent.trainers.checkpointing import read_checkpoint
 
-    clean = out / "clean"
-    done = subprocess.run([sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *overrides,
-                           f"run_dir={clean}"], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the clean run failed:\n{done.stderr[-2000:]}")
+    if clean is None or not (clean / "checkpoints" / "last.pt").exists():
+        clean = clean or out / "clean"
+        done = subprocess.run([sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *overrides,
+                               f"run_dir={clean}"], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"the clean run failed:\n{done.stderr[-2000:]}")
     reference = read_checkpoint(clean / "checkpoints" / "last.pt")["model"]
     return reference.keys() == state.keys() and all(torch.equal(reference[k], state[k]) for k in reference)
 
@@ -311,14 +322,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="mixed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="working folder (default: a temporary one, removed)")
+    parser.add_argument("--clean", default=None, help="kill-only: the run directory of the unfaulted run (made "
+                        "with `--print-clean-command`'s command; run when missing)")
+    parser.add_argument("--print-clean-command", action="store_true", help="print the unfaulted run's command and exit")
     args = parser.parse_args(argv)
     iterations = args.iterations or (4 if args.schedule == "short" else 30)
     if iterations < len(SCHEDULES[args.schedule]) + 2:
         parser.error(f"--iterations must be >= {len(SCHEDULES[args.schedule]) + 2} for --schedule {args.schedule}")
+    if args.print_clean_command:
+        print(" ".join(clean_run_args(iterations, args.seed, Path(args.clean or "runs/chaos_clean"))))
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         t0 = time.perf_counter()
-        result = run_chaos(out, iterations, args.schedule, args.seed)
+        result = run_chaos(out, iterations, args.schedule, args.seed, Path(args.clean) if args.clean else None)
         result["wall_s"] = round(time.perf_counter() - t0, 1)
     result = {k: result[k] for k in ("iterations_done", "faults_injected", "faults_survived", "resumes",
                                        "rows_lost_beyond_faulted", "metrics_consistent",

@@ -17,6 +17,10 @@ Faults (all on this machine, no network beyond 127.0.0.1):
 - ``long_prompts``: ``env=sokoban memory=full env.max_steps=200`` for one iteration (default prompt
   budget and token-budget micro-batches).
 
+Crashes, restarts, damaged or hostile checkpoints, shared run directories, full disks, signals
+and dead collector processes are ``benchmarks/chaos.py``'s (a supervised 30-iteration run) and
+``tests/test_resilience.py`` / ``tests/test_faults_collectors.py``'s.
+
 For each fault: ``completed`` (the program ended as designed: the run finished, or refused or
 stopped with a message, with no traceback), ``rows_lost`` (training: the rows left out of the
 update because their episode faulted; evaluation: the episodes cut short by the fault, counted as
@@ -117,8 +121,10 @@ def diverging(tmp: Path, log: _Log) -> dict:
     code, err = _run_cli(main, ["train", *SMALL, "warm_start.steps=20", "warm_start.episodes=8",
                                 "algorithm.kl_coef=1e38", "iterations=3", "checkpoint_every=1", f"run_dir={run_dir}"])
     finite = True
+    from torchrl_agent.trainers.checkpointing import read_checkpoint
+
     for path in (run_dir / "checkpoints").glob("*.pt"):
-        state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+        state = read_checkpoint(path)["model"]  # verified, no code runs
         finite &= all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point())
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     strict = all(json.loads(x, parse_constant=_refuse) is not None for x in lines)

@@ -1,4 +1,4 @@
-"""Does reinforcement learning (not the warm start) raise held-out success? GRPO and GiGPO, 5 seeds.
+"""Does reinforcement learning (not the warm start) raise held-out success? GRPO and GiGPO, 10 seeds.
 
 Per task (``torchrl_agent/configs/experiment/learning_<task>.yaml``) and seed, one run is: the bundled
 ``tiny-large`` model, a deliberately short supervised warm start on the environment's expert
@@ -18,11 +18,16 @@ moves the policy: KL(old || new) on the sampled tokens and the clip fraction, th
 
 Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thread each.
 Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
-line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "methods": {"grpo":
-M, "gigpo": M}}}}``::
+line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "warm_start_only": W,
+"methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C}}}``: ``M`` holds per seed the final
+evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
+evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
+the same weights for both methods); ``C`` GiGPO minus GRPO paired over seeds, with a 95% t and
+bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0)::
 
-    python benchmarks/learning.py [--tasks numberline babyai] [--seeds 0 1 2 3 4] [--jobs 2]
+    python benchmarks/learning.py [--tasks numberline babyai] [--seeds 0 .. 9] [--jobs 2]
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
+                                  [--markdown docs/learning_results.md]
 
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel).
 ``--diagnose TASK`` runs one GRPO seed of TASK and prints the per-iteration diagnostics only
@@ -178,6 +183,66 @@ def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
     return float(won.float().mean())
 
 
+def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
+    """The warm-started policy's move distribution, before any RL: over up to ``max_prompts``
+    distinct training prompts (states a random walk visits), the probability of each admissible
+    move's full response, normalised over the admissible moves. ``move_prob_mean``: per move, the
+    mean over prompts; ``state_dependence``: the mean total-variation distance between a prompt's
+    distribution and that mean (0: the policy plays the same distribution whatever the state);
+    ``valid_mass_mean``: the probability the responses of admissible moves hold together."""
+    import tempfile
+
+    from tensordict import TensorDict, lazy_stack
+    from torchrl.envs.utils import step_mdp
+
+    from torchrl_agent.envs.transforms.projection import resolve_format
+    from torchrl_agent.trainers.warm_start import expert_response
+
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [o for o in overrides_for(task, "gigpo", seed, args) if not o.startswith(("run_dir=", "iterations="))]
+        cfg = compose_config(overrides + [f"run_dir={tmp}", "iterations=0"])
+        trainer = Trainer(cfg)
+        trainer.warm_start()
+        tok, rng = trainer.tokenizer, random.Random(seed)
+        env = build_env(cfg, tok)
+        prompts: dict[str, list[str]] = {}
+        td = env.reset()
+        while not td["done"].all() and len(prompts) < max_prompts:
+            actions = []
+            for i in range(env.batch_size[0]):
+                moves = [m for m in td["admissible_actions"][i].split("\n") if m] or [""]
+                if not td["done"][i].item() and moves != [""]:
+                    prompts.setdefault(td[i]["text", "prompt"], moves)
+                actions.append(rng.choice(moves))
+            td["action"] = actions
+            td = step_mdp(env.step(td))
+        env.close()
+        fmt, eos = resolve_format(cfg.env.action_format, cfg.env.name), tok.eos_token_id
+        items, owners = [], []
+        for k, (prompt, moves) in enumerate(list(prompts.items())[:max_prompts]):
+            ids = torch.tensor(tok(prompt, add_special_tokens=False)["input_ids"])
+            for move in moves:
+                response = tok(expert_response(move, fmt, cfg.warm_start.think), add_special_tokens=False)["input_ids"]
+                items.append(TensorDict({"tokens": {"prompt": ids, "response": torch.tensor(response + [eos])}}))
+                owners.append((k, move))
+        seq = [float(lp.sum()) for lp in trainer.recompute(trainer.model, lazy_stack(items))]
+    per_prompt: dict[int, dict[str, float]] = {}
+    for (k, move), lp in zip(owners, seq):
+        per_prompt.setdefault(k, {})[move] = lp
+    dists, valid = [], []
+    for lps in per_prompt.values():
+        top = max(lps.values())
+        z = sum(math.exp(v - top) for v in lps.values())
+        dists.append({m: math.exp(v - top) / z for m, v in lps.items()})
+        valid.append(sum(math.exp(v) for v in lps.values()))
+    moves = sorted({m for d in dists for m in d})
+    mean = {m: statistics.fmean(d.get(m, 0.0) for d in dists) for m in moves}
+    tv = [0.5 * sum(abs(d.get(m, 0.0) - mean[m]) for m in moves) for d in dists]
+    return {"task": task, "seed": seed, "prompts": len(dists), "move_prob_mean": mean,
+            "top_move_prob_mean": max(mean.values()), "state_dependence": statistics.fmean(tv),
+            "valid_mass_mean": statistics.fmean(valid)}
+
+
 def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
     out = [f"experiment=learning_{task}", f"algorithm={method}", f"seed={seed}", "progress=false",
            f"run_dir={os.path.join(args.out, f'{task}_{method}_seed{seed}')}"]
@@ -226,12 +291,17 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 
 
 def summarize(runs: list[dict], threshold: float) -> dict:
-    """The ``M`` object of one task and method (over seeds)."""
-    out: dict = {"seeds": sorted(r["seed"] for r in runs)}
+    """The ``M`` object of one task and method (over seeds). ``reached_threshold`` counts the seeds
+    whose FINAL evaluation is at or above ``threshold`` (a policy that reached it and fell back does
+    not count); ``ever_reached_threshold`` counts those that reached it at any evaluation."""
+    runs = sorted(runs, key=lambda r: r["seed"])
+    out: dict = {"seeds": [r["seed"] for r in runs]}
     for key, suffix in (("greedy", ""), ("sampled", "_sampled")):
         start = [r["panel"][0][key] for r in runs]
         final = [r["panel"][-1][key] for r in runs]
         gain = [f - s for f, s in zip(final, start)]
+        out[f"after_warm_start{suffix}"] = start  # per seed, in the order of "seeds"
+        out[f"finals{suffix}"] = final
         out[f"after_warm_start_mean{suffix}"], out[f"after_warm_start_std{suffix}"] = mean_std(start)
         out[f"final_mean{suffix}"], out[f"final_std{suffix}"] = mean_std(final)
         out[f"rl_gain_mean{suffix}"], out[f"rl_gain_std{suffix}"] = mean_std(gain)
@@ -240,7 +310,9 @@ def summarize(runs: list[dict], threshold: float) -> dict:
         out[f"iterations_to_threshold{suffix}"] = reached
         # mean over the seeds that reached it, with how many did; null if none did
         out[f"iterations_to_threshold_mean{suffix}"] = statistics.fmean(hit) if hit else None
-        out[f"reached_threshold{suffix}"] = f"{len(hit)}/{len(runs)}"
+        out[f"ever_reached_threshold{suffix}"] = len(hit)
+        out[f"reached_threshold{suffix}"] = sum(f >= threshold for f in final)
+    out["runs"] = len(runs)
     for name, i in (("after_warm_start", 0), ("final", -1)):  # does the greedy policy read the game?
         out[f"top_plan_share_{name}_mean"] = statistics.fmean(r["panel"][i]["top_plan_share"] for r in runs)
         out[f"distinct_plans_{name}_mean"] = statistics.fmean(r["panel"][i]["distinct_plans"] for r in runs)
@@ -262,6 +334,88 @@ def summarize(runs: list[dict], threshold: float) -> dict:
         out["diagnostics_mean"] = {k: statistics.fmean(d[k] for d in diag if k in d)
                                    for k in diag[0] if k != "iteration"}
     return out
+
+
+# two-sided 97.5% quantiles of Student's t for n - 1 = 1..30 degrees of freedom (a 95% interval)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)
+
+
+def paired_comparison(a: dict[int, float], b: dict[int, float], *, resamples: int = 10000,
+                      seed: int = 0) -> dict:
+    """``a - b`` paired over the seeds both hold (a seed's warm start is the same for both methods).
+
+    Returns the per-seed differences, their mean, a 95% t interval and a 95% percentile bootstrap
+    interval of the mean, the two-sided p-value of an exact (n <= 16) or sampled sign-flip
+    permutation test, and ``within_noise``: True when the t interval holds 0."""
+    seeds = sorted(set(a) & set(b))
+    diff = [a[s] - b[s] for s in seeds]
+    n = len(diff)
+    out: dict = {"seeds": seeds, "differences": diff, "n": n}
+    if n < 2:
+        return {**out, "mean_difference": diff[0] if diff else None, "t_ci95": None, "bootstrap_ci95": None,
+                "permutation_p": None, "within_noise": True}
+    mean = statistics.fmean(diff)
+    half = (_T975[n - 2] if n - 2 < len(_T975) else 1.96) * statistics.stdev(diff) / math.sqrt(n)
+    rng = random.Random(seed)
+    boot = sorted(statistics.fmean(rng.choices(diff, k=n)) for _ in range(resamples))
+    observed = abs(mean)
+    if n <= 16:  # every sign pattern
+        flips = [[(1 if (m >> i) & 1 else -1) for i in range(n)] for m in range(2 ** n)]
+    else:
+        flips = [[rng.choice((1, -1)) for _ in range(n)] for _ in range(resamples)]
+    extreme = sum(abs(statistics.fmean(f * d for f, d in zip(signs, diff))) >= observed - 1e-12 for signs in flips)
+    return {**out, "mean_difference": mean, "t_ci95": [mean - half, mean + half],
+            "bootstrap_ci95": [boot[int(0.025 * resamples)], boot[int(0.975 * resamples) - 1]],
+            "permutation_p": extreme / len(flips), "within_noise": mean - half <= 0.0 <= mean + half}
+
+
+def compare_methods(methods: dict[str, dict], first: str = "gigpo", second: str = "grpo") -> dict | None:
+    """GiGPO minus GRPO per seed, on the final evaluation (greedy and sampled) and on the RL gain."""
+    if first not in methods or second not in methods:
+        return None
+    a, b = methods[first], methods[second]
+    out: dict = {"difference": f"{first} - {second}"}
+    for key in ("finals", "finals_sampled"):
+        out[key] = paired_comparison(dict(zip(a["seeds"], a[key])), dict(zip(b["seeds"], b[key])))
+    return out
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def results_markdown(result: dict) -> str:
+    """The results tables of docs/learning.md, from the benchmark's JSON (one table per task)."""
+    lines: list[str] = []
+    for task, info in result["tasks"].items():
+        ws = info.get("warm_start_only") or {}
+        lines += [f"**{task}** (threshold {info['threshold']}; random valid policy "
+                  f"{_fmt(info['random_policy_success'], 3)}; warm start only, greedy / T=0.4: "
+                  f"{_fmt(ws.get('greedy_mean'))} / {_fmt(ws.get('sampled_mean'))})", "",
+                  "| method | seeds | after warm start (greedy) | final greedy, mean ± std | final T=0.4 | "
+                  "RL gain (greedy) | final >= threshold | per-seed final (greedy) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for method, m in info["methods"].items():
+            lines.append(
+                f"| {method} | {len(m['seeds'])} | {_fmt(m['after_warm_start_mean'])} | "
+                f"{_fmt(m['final_mean'])} ± {_fmt(m['final_std'])} | {_fmt(m['final_mean_sampled'])} | "
+                f"{m['rl_gain_mean']:+.2f} ± {_fmt(m['rl_gain_std'])} | {m['reached_threshold']} of {m['runs']} | "
+                + ", ".join(f"{f:.2f}" for f in m["finals"]) + " |")
+        cmp_ = info.get("gigpo_vs_grpo")
+        if cmp_:
+            for key, label in (("finals", "greedy"), ("finals_sampled", "T=0.4")):
+                c = cmp_[key]
+                if c["t_ci95"] is None:
+                    continue
+                verdict = "within noise" if c["within_noise"] else "outside noise"
+                lines.append(f"\nGiGPO - GRPO, final {label}, paired over {c['n']} seeds: {c['mean_difference']:+.3f} "
+                             f"(95% t interval [{c['t_ci95'][0]:+.3f}, {c['t_ci95'][1]:+.3f}], bootstrap "
+                             f"[{c['bootstrap_ci95'][0]:+.3f}, {c['bootstrap_ci95'][1]:+.3f}], sign-flip "
+                             f"permutation p = {c['permutation_p']:.3f}): {verdict}.")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def plot(result: dict, path: str) -> None:
@@ -297,16 +451,24 @@ def main() -> None:
     # Sokoban is opt-in: at 70-200 s an iteration on 2 shared cores its 5 x 2 runs do not fit the budget
     parser.add_argument("--tasks", nargs="+", default=["numberline", "babyai"], choices=list(TASKS))
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4])
+    parser.add_argument("--seeds", nargs="+", type=int, default=list(range(10)))
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--iterations", type=int, default=None, help="default: the experiment config's")
     parser.add_argument("--threshold", type=float, default=0.8)
     parser.add_argument("--out", default="runs/learning")
     parser.add_argument("--plot", default=None, help="default: OUT/learning_curves.png")
+    parser.add_argument("--markdown", default=None, help="also write the results tables (Markdown) to this file")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--warm-start-moves", default=None, metavar="TASK",
+                        help="per seed, the warm-started policy's move distribution (no RL), one JSON line each")
     parser.add_argument("--diagnose", default=None, metavar="TASK")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
     args = parser.parse_args()
+    if args.warm_start_moves:
+        torch.set_num_threads(1)
+        for seed in args.seeds:
+            print(json.dumps(warm_start_moves(args.warm_start_moves, seed, args)), flush=True)
+        return
     if args.diagnose:
         torch.set_num_threads(1)
         run = run_one(args.diagnose, "grpo", args.seeds[0], args)
@@ -341,11 +503,22 @@ def main() -> None:
             "methods": {m: summarize([r for r in runs if r["task"] == task and r["method"] == m], args.threshold)
                         for m in args.methods},
         }
+        info = result["tasks"][task]
+        first = next(iter(info["methods"].values()))
+        # the warm start alone (RL iteration 0): the same weights for every method of a seed
+        info["warm_start_only"] = {"seeds": first["seeds"], "greedy": first["after_warm_start"],
+                                   "sampled": first["after_warm_start_sampled"],
+                                   "greedy_mean": first["after_warm_start_mean"],
+                                   "sampled_mean": first["after_warm_start_mean_sampled"]}
+        info["gigpo_vs_grpo"] = compare_methods(info["methods"])
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["jobs"] = args.jobs
     path = args.plot or os.path.join(args.out, "learning_curves.png")
     plot(result, path)
     result["plot"] = path
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(results_markdown(result))
     print(json.dumps(result))
 
 

@@ -11,18 +11,18 @@ Measured (each activation figure in a fresh subprocess):
   and with ``model.gradient_checkpointing``. The peak resident set (``VmHWM`` reset just before,
   ``MALLOC_MMAP_THRESHOLD_=65536``) minus the resident set before it (after a one-row warm-up that
   allocates the gradients), over three runs ``P(layers, rows)``: the bytes per token and layer are
-  ``(P(4, 2) - P(2, 2)) / (2 x 2 x 256)``, the bytes per token outside the layers the slope in rows
-  at 2 layers, ``(P(2, 4) - P(2, 2)) / (2 x 256)``, less 2 layers' share. The probe model has
-  Qwen2.5-1.5B's proportions (head size 128, intermediate = 5.83 x hidden) at hidden 384; the
-  figures are then scaled by ``hidden / 384`` (a layer's activations are linear in its width at a
+  ``(P(4, 2) - P(2, 2)) / (2 x 2 x 128)``, the bytes per token outside the layers the slope in rows
+  at 2 layers, ``(P(2, 4) - P(2, 2)) / (2 x 128)``, less 2 layers' share. The probe model has
+  Qwen2.5-1.5B's proportions (head size 128, intermediate = 5.83 x hidden) at hidden 256; the
+  figures are then scaled by ``hidden / 256`` (a layer's activations are linear in its width at a
   fixed shape; 7B's intermediate ratio, 5.29, is smaller, so its estimate is an upper bound).
-  Sequences of 256 tokens (192 prompt + 64 response), sdpa attention.
+  Sequences of 128 tokens (96 prompt + 32 response), sdpa attention.
 
 The plan (JSON ``plans``): per recipe (Qwen2.5-1.5B / 7B, 1 or 8 GPUs of 80 or 141 GB), the bytes per
 GPU of each part, with ``N`` GPUs (FSDP2 shards over all of them), ``P`` parameters, ``L`` layers,
 ``M`` = ``algorithm.micro_batch_tokens``, ``a`` the activation bytes per token and layer and ``c`` the
 bytes per token outside the layers (with checkpointing: ``a_ckpt``, the kept layer input, and
-``c_ckpt``, which also holds the one layer recomputed at a time), all scaled by ``hidden / 384``::
+``c_ckpt``, which also holds the one layer recomputed at a time), all scaled by ``hidden / 256``::
 
     trainer state      = s P / N                    (s = state_bytes_per_param, measured: 16)
     KL reference       = 2 P / N                    (bf16, sharded like the policy)
@@ -59,16 +59,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PROBE_HIDDEN = 384
-#: the probe: Qwen2.5-1.5B's proportions at hidden 384 (head size 128, intermediate 5.83x hidden)
-PROBE = dict(hidden_size=PROBE_HIDDEN, intermediate_size=2240, num_attention_heads=3, num_key_value_heads=1,
+PROBE_HIDDEN = 256
+#: the probe: Qwen2.5-1.5B's proportions at hidden 256 (head size 128, intermediate 5.83x hidden)
+PROBE = dict(hidden_size=PROBE_HIDDEN, intermediate_size=1493, num_attention_heads=2, num_key_value_heads=1,
              head_dim=128, vocab_size=4096, max_position_embeddings=4096, tie_word_embeddings=True)
 #: (layers, rows) of the runs: two depths at ROWS[0] give the bytes per layer, two batch sizes at
 #: LAYERS[0] the bytes per token; every row is SEQUENCE tokens
 LAYERS = (2, 4)
 ROWS = (2, 4)
 RUNS = ((LAYERS[0], ROWS[0]), (LAYERS[1], ROWS[0]), (LAYERS[0], ROWS[1]))
-SEQUENCE = (192, 64)  # prompt, response
+SEQUENCE = (96, 32)  # prompt, response
 GIB = 2**30
 
 #: the recipes' models (their config.json): parameters, layers, hidden, vocabulary, KV bytes per token (bf16)

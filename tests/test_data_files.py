@@ -346,6 +346,18 @@ def test_cli_reports_a_bad_evaluation_data_file_in_one_line_with_exit_2(alfworld
     assert err[-1].startswith(f"torchrl-agent: invalid config: {game}: not valid JSON"), err
 
 
+def test_cli_reports_a_missing_evaluation_split_as_an_invalid_config(alfworld_dir, tmp_path, capsys):
+    """No ``valid_unseen`` games beside the training games: exit 2 naming it, not a disk-fault hint."""
+    pytest.importorskip("alfworld", reason="needs the 'alfworld' extra")  # installed in CI: never skipped there
+    from torchrl_agent.trainers.cli import main
+
+    assert main(["train", "experiment=smoke", "env.name=alfworld", f"+env.kwargs.data_dir={alfworld_dir}",
+                 f"run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("torchrl-agent: invalid config: "), err
+    assert "valid_unseen" in err[-1] and "free space" not in err[-1], err
+
+
 def test_alfworld_unsolvable_games_are_counted_in_the_log(alfworld_dir, caplog):
     game = alfworld_dir / REAL_GAME / "game.tw-pddl"
     content = json.loads(game.read_text())

@@ -391,14 +391,23 @@ def test_gpu_smoke_tiny_runs_on_cpu_and_prints_its_json(tmp_path):
     assert summary["measured_iterations"] == 1 and summary["logprob_diff_max_last"] < 1e-4
 
 
-def test_collective_timeout_is_configured_and_validated(monkeypatch):
+_TIMEOUT_PROBE = """
+import datetime, torch, torch.distributed as dist
+from torchrl_agent.trainers.distributed import cleanup, init_distributed
+init_distributed("cpu", timeout_s=7200.0)
+backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+print(backend.options._timeout == datetime.timedelta(seconds=7200))
+cleanup()
+"""
+
+
+def test_collective_timeout_is_configured_and_validated():
     """``collective_timeout_s`` is validated, and ``init_distributed`` gives the process group that
-    timeout (a real gloo group of one process)."""
-    import datetime
+    timeout (a real gloo group of one process, in a fresh interpreter: an in-process vLLM engine
+    leaves a group of its own in this one)."""
+    import subprocess
+    import sys
 
-    import torch.distributed as dist
-
-    from torchrl_agent.trainers.distributed import cleanup, init_distributed
     from torchrl_agent.trainers.validate import ConfigError, validate_config
 
     cfg = TrainConfig()
@@ -406,13 +415,9 @@ def test_collective_timeout_is_configured_and_validated(monkeypatch):
     cfg.collective_timeout_s = 0.0
     with pytest.raises(ConfigError, match="collective_timeout_s"):
         validate_config(cfg, check_files=False)
-    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
-                       ("MASTER_PORT", str(29500 + os.getpid() % 1000))):
-        monkeypatch.setenv(key, value)
-    assert not dist.is_initialized()
-    init_distributed("cpu", timeout_s=7200.0)
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
-        assert backend.options._timeout == datetime.timedelta(seconds=7200)
-    finally:
-        cleanup()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(29500 + os.getpid() % 1000)}
+    proc = subprocess.run([sys.executable, "-c", _TIMEOUT_PROBE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "True"

@@ -7,6 +7,7 @@ and ``torchrl-agent`` runs from an empty directory with only that folder on ``PY
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -33,8 +34,10 @@ def installed(tmp_path_factory):
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    # no build isolation: setuptools comes from the running environment (no download)
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp / "dist"), str(src)],
+    # without build isolation when the running environment's setuptools builds wheels itself (>= 70.1):
+    # nothing to download
+    local = ["--no-build-isolation"] if importlib.util.find_spec("setuptools.command.bdist_wheel") else []
+    subprocess.run([*pip, "wheel", "--no-deps", *local, "-w", str(tmp / "dist"), str(src)],
                    check=True, cwd=tmp)
     (wheel,) = (tmp / "dist").glob("torchrl_agent-*.whl")
     site = tmp / "site"

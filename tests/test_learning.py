@@ -62,6 +62,50 @@ def test_advantage_stats_counts_groups_without_signal():
     assert learning.iterations_to([{"iteration": 0, "greedy": 0.2}], 0.5) is None
 
 
+def _fake_run(seed: int, method: str, panel: list[tuple[int, float, float]]) -> dict:
+    return {"task": "numberline", "method": method, "seed": seed, "wall_s": 1.0, "rl_s_per_iteration": 1.0,
+            "diagnostics": [], "panel": [{"iteration": it, "greedy": g, "sampled": s, "top_plan_share": 1.0,
+                                          "distinct_plans": 1} for it, g, s in panel]}
+
+
+def test_summary_counts_final_threshold_and_keeps_per_seed_finals():
+    """reached_threshold counts the FINAL evaluations at or above the threshold: a seed that
+    reached it and fell back is counted only in ever_reached_threshold."""
+    learning = _learning_module()
+    runs = [_fake_run(2, "gigpo", [(0, 0.5, 0.2), (5, 0.9, 0.9), (10, 0.95, 0.9)]),
+            _fake_run(0, "gigpo", [(0, 0.4, 0.1), (5, 0.95, 0.9), (10, 0.0, 0.0)]),  # solved, then collapsed
+            _fake_run(1, "gigpo", [(0, 0.6, 0.3), (5, 0.6, 0.3), (10, 0.8, 0.7)])]
+    m = learning.summarize(runs, threshold=0.8)
+    assert m["seeds"] == [0, 1, 2]
+    assert m["finals"] == [0.0, 0.8, 0.95] and m["finals_sampled"] == [0.0, 0.7, 0.9]
+    assert m["after_warm_start"] == [0.4, 0.6, 0.5]
+    assert m["reached_threshold"] == 2 and m["ever_reached_threshold"] == 3 and m["runs"] == 3
+    assert m["reached_threshold_sampled"] == 1
+
+
+def test_paired_comparison_interval_and_permutation_test():
+    learning = _learning_module()
+    # a constant difference of +0.1 on 6 seeds: no spread, the interval is the point, p = 2/64
+    same = learning.paired_comparison({s: 0.9 for s in range(6)}, {s: 0.8 for s in range(6)})
+    assert abs(same["mean_difference"] - 0.1) < 1e-9 and not same["within_noise"]
+    assert abs(same["t_ci95"][0] - 0.1) < 1e-9 and abs(same["permutation_p"] - 2 / 64) < 1e-12
+    # differences of both signs around 0: within noise, p = 1 for a zero mean
+    noisy = learning.paired_comparison({0: 1.0, 1: 0.0, 2: 0.5, 3: 0.5}, {0: 0.0, 1: 1.0, 2: 0.5, 3: 0.5})
+    assert noisy["mean_difference"] == 0.0 and noisy["within_noise"] and noisy["permutation_p"] == 1.0
+    lo, hi = noisy["t_ci95"]
+    assert lo < 0 < hi and noisy["bootstrap_ci95"][0] <= 0 <= noisy["bootstrap_ci95"][1]
+    # only the seeds both methods ran are paired
+    assert learning.paired_comparison({0: 1.0, 1: 0.5, 7: 0.2}, {0: 0.5, 1: 0.5})["seeds"] == [0, 1]
+    methods = {m: learning.summarize([_fake_run(s, m, [(0, 0.5, 0.2), (5, g, g)]) for s, g in enumerate(gs)], 0.8)
+               for m, gs in (("grpo", [0.5, 0.9, 0.9]), ("gigpo", [0.9, 0.9, 1.0]))}
+    cmp_ = learning.compare_methods(methods)
+    assert [round(d, 6) for d in cmp_["finals"]["differences"]] == [0.4, 0.0, 0.1]
+    text = learning.results_markdown({"tasks": {"numberline": {
+        "threshold": 0.8, "random_policy_success": 0.05, "methods": methods, "gigpo_vs_grpo": cmp_,
+        "warm_start_only": {"greedy_mean": 0.5, "sampled_mean": 0.2}}}})
+    assert "| gigpo | 3 |" in text and "3 of 3" in text and "GiGPO - GRPO, final greedy, paired over 3 seeds" in text
+
+
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
     learning = _learning_module()
     for task in learning.TASKS:
@@ -165,3 +209,34 @@ def test_numberline_relative_observation_describes_the_same_state():
         assert "observation" in str(err)
     else:
         raise AssertionError("an unknown observation kind was accepted")
+
+
+def test_kl_reference_is_the_warm_started_policy(tmp_path):
+    """With a KL term and a warm start, the frozen reference is the policy after the warm start
+    (what RL starts from), not the untrained model."""
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.trainer import Trainer
+
+    cfg = compose_config(["experiment=smoke", "warm_start.steps=3", "warm_start.episodes=8", "iterations=0",
+                          "eval_every=0", "env.eval_episodes=2", "env.num_groups=1", "env.group_size=2",
+                          "algorithm.kl_coef=0.01", "progress=false", f"run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    untrained = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
+    trainer.train()
+    model, reference = trainer.model.state_dict(), trainer.reference.state_dict()
+    assert any(not torch.equal(untrained[k], reference[k]) for k in untrained)
+    assert all(torch.equal(model[k].to(reference[k].dtype), reference[k]) for k in reference)
+
+
+def test_warm_start_moves_is_a_distribution_over_the_admissible_moves(tmp_path):
+    import argparse
+
+    learning = _learning_module()
+    args = argparse.Namespace(out=str(tmp_path), iterations=None, quick=False,
+                              set=["warm_start.steps=2", "warm_start.episodes=8", "env.num_groups=2",
+                                   "env.group_size=2"])
+    out = learning.warm_start_moves("numberline", 0, args, max_prompts=6)
+    assert set(out["move_prob_mean"]) == {"+", "-"} and 1 <= out["prompts"] <= 6
+    assert abs(sum(out["move_prob_mean"].values()) - 1.0) < 1e-6
+    assert 0.5 <= out["top_move_prob_mean"] <= 1.0 and 0.0 <= out["state_dependence"] <= 1.0
+    assert 0.0 < out["valid_mass_mean"] <= 1.0

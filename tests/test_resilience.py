@@ -321,10 +321,10 @@ def _fill(folder: Path, leave: int = 0) -> Path:
 
 def test_a_disk_that_fills_keeps_the_run_going_and_a_refused_last_checkpoint_keeps_the_summary(
         small_disk, tmp_path, capsys, monkeypatch, caplog):
-    """Checkpoints of a run on a 32 MB disk: 2 MB free is enough for a 2 MB checkpoint (no fixed
-    margin); TensorBoard on a full disk is reported once and the run goes on; once the disk is
-    full, a periodic checkpoint and the final ``last.pt`` are refused, and the final evaluation and
-    the summary still come (exit code 1); freed, ``resume=auto`` continues from the last good one."""
+    """Checkpoints of a run on a 32 MB disk: 1.5 times a checkpoint's size free is enough to write
+    it (no fixed margin); TensorBoard on a full disk is reported once and the run goes on; with half
+    a checkpoint free, the final ``last.pt`` is refused, and the final evaluation and the summary
+    still come (exit code 1); freed, ``resume=auto`` continues from the last good one."""
     from torchrl_agent.trainers.trainer import Trainer
 
     disk, tb_disk = small_disk(32), small_disk(1, "tb_disk")
@@ -336,27 +336,30 @@ def test_a_disk_that_fills_keeps_the_run_going_and_a_refused_last_checkpoint_kee
     ballast = []
 
     def fill_after_the_first(self, path=None):
-        if self.iteration == 1 and not ballast:  # the first checkpoint is written: now the disk fills
+        if self.iteration >= 1:  # the first checkpoint is written: now the disk fills
             size = (disk / "run" / "checkpoints" / "iteration_00000.pt").stat().st_size
-            ballast.append(_fill(disk, leave=size // 2))
+            for old in ballast:
+                old.unlink()
+            ballast[:] = [_fill(disk, leave=size // 2 if path is not None else size * 3 // 2)]
         return original(self, path)
 
     monkeypatch.setattr(Trainer, "save_checkpoint", fill_after_the_first)
     with caplog.at_level(logging.ERROR, logger="torchrl_agent"):
         code = main(["train", *SMALL, "checkpoint_every=1", f"run_dir={run}"])
     out, err = capsys.readouterr()
-    assert code == 1
+    assert code == 1 and out.strip(), err
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["iterations"] == 2 and "eval_success_last" in summary and "No space left" in summary["checkpoint_error"]
     assert _iterations(run) == [0, 1, 2]  # the final evaluation is in the metrics
-    assert sorted(p.name for p in (run / "checkpoints").glob("*")) == ["iteration_00000.pt"]
-    assert sum("TensorBoard stopped logging" in r.getMessage() for r in caplog.records) == 1
-    assert "Traceback" not in err
+    assert sorted(p.name for p in (run / "checkpoints").glob("*")) == ["iteration_00000.pt", "iteration_00001.pt"]
+    # TensorBoard's failed writes: at most one message (when its writer surfaces the error), no traceback
+    assert sum("TensorBoard stopped logging" in r.getMessage() for r in caplog.records) <= 1
+    assert "Traceback" not in err and "last.pt" in _one_line(err), err
     monkeypatch.undo()
     ballast[0].unlink()
     (run / "tensorboard").unlink()
     Trainer(compose_config([*SMALL, "checkpoint_every=1", f"run_dir={run}", "resume=auto"])).train()
-    assert _iterations(run) == [0, 1, 2]
+    assert _iterations(run) == [0, 1, 2]  # resumed after iteration 1: only the final evaluation again
     assert read_checkpoint(run / "checkpoints" / "last.pt")["iteration"] == 1
 
 
@@ -440,13 +443,17 @@ def _start_trainer(run: Path, *extra: str) -> tuple[subprocess.Popen, set[int]]:
     proc = subprocess.Popen([sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *SMALL, "iterations=50",
                              "checkpoint_every=1", "env.num_workers=2", f"run_dir={run}", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 300
-    while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
-        assert proc.poll() is None, proc.communicate()[1]
-        assert time.monotonic() < deadline, "the trainer did not finish an iteration in 300 s"
-        time.sleep(0.2)
-    children = _descendants(proc.pid)
-    assert len(children) >= 2, children  # the env workers
+    deadline = time.monotonic() + 1200
+    try:
+        while not ((run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the trainer did not finish an iteration in 1200 s"
+            time.sleep(0.2)
+        children = _descendants(proc.pid)
+        assert len(children) >= 2, children  # the env workers
+    except BaseException:
+        proc.kill()
+        raise
     return proc, children
 
 
@@ -478,6 +485,9 @@ def test_a_killed_trainer_leaves_no_orphans_and_resume_auto_takes_over_its_lock(
 
     run = tmp_path / "run"
     proc, children = _start_trainer(run)
+    deadline = time.monotonic() + 600  # iteration 0's checkpoint is written just after its metrics line
+    while find_resumable(run)[0] is None and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)
     proc.kill()  # SIGKILL: no handler runs
     proc.communicate()
     assert not _gone(children, within=5.0)  # PR_SET_PDEATHSIG: the workers went with it
@@ -489,3 +499,16 @@ def test_a_killed_trainer_leaves_no_orphans_and_resume_auto_takes_over_its_lock(
     assert "no longer running" in caplog.text
     trainer.train()
     assert _iterations(run) == list(range(last + 3))  # the lines after the checkpoint were replaced
+
+
+def test_the_short_chaos_run_survives_a_kill_and_a_corrupted_checkpoint(tmp_path):
+    """benchmarks/chaos.py --schedule short: 4 iterations, a trainer killed mid-iteration, then its
+    newest checkpoint corrupted before another kill; both resumes continue, nothing is lost."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py"
+    done = subprocess.run([sys.executable, str(script), "--schedule", "short", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=1800)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert done.returncode == 0, result
+    assert result["faults_injected"] == result["faults_survived"] == 2, result
+    assert result["resumes"] >= 2 and result["iterations_done"] == 4
+    assert result["rows_lost_beyond_faulted"] == 0 and result["metrics_consistent"] is True

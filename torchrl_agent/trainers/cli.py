@@ -1,7 +1,10 @@
 """The ``torchrl-agent`` console script.
 
 ``torchrl-agent train [hydra overrides...]`` trains (default experiment: ``quickstart``) and prints,
-as its last line, one JSON object summarising the run. ``torchrl-agent eval [overrides...]`` runs a
+as its last line, one JSON object summarising the run. It is a Hydra application: ``-m`` sweeps
+(``torchrl-agent train -m seed=0,1 algorithm=grpo,gigpo``) run one run per combination, each in
+``<hydra.sweep.dir>/<job number>``, on Hydra's launchers (joblib, submitit), and print the sweep's
+summary last. ``torchrl-agent eval [overrides...]`` runs a
 policy (``eval.checkpoint=``, ``model.path=``, or ``eval.endpoint=`` for an OpenAI-compatible
 server) on the environment's evaluation panel and prints its success, overall and per task type. Overrides are Hydra's:
 ``torchrl-agent train algorithm=gigpo env.num_groups=8 iterations=20``.
@@ -17,9 +20,12 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-__all__ = ["compose_config", "config_dir", "main"]
+__all__ = ["SweepSummary", "compose_config", "config_dir", "main"]
 
-
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: a sweep's job writes its record (overrides, exit code, summary) here, in its Hydra job folder
+SWEEP_RECORD = "job.json"
+logger = logging.getLogger(__name__)
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
@@ -129,9 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if result.get("failed_episodes") and result["failed_episodes"] >= result["episodes"] else 0
 
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-
-
 def _train(args: list[str]) -> int:
     """``torchrl-agent train``: Hydra's application (``-m``, launchers, sweepers, ``--cfg``), after
     checking the config of every run it will start (a broken one exits 2, naming the key, before any
@@ -229,9 +232,6 @@ def _train_job(cfg) -> int:
     return code
 
 
-SWEEP_RECORD = "job.json"
-logger = logging.getLogger(__name__)
-
 
 def _train_run(cfg) -> tuple[int, dict]:
     """Train one config: (exit code, summary). 2: invalid config, 1: training stopped (diverged, a
@@ -268,13 +268,19 @@ def _train_run(cfg) -> tuple[int, dict]:
     except DataFileError as err:  # a bad evaluation data file, read when the first evaluation builds its env
         print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
         return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
+    except FileNotFoundError as err:  # a data file read at the first evaluation (the eval split): not a disk fault
+        print(f"torchrl-agent: invalid config: {err}", file=sys.stderr)
+        return 2, {"run_dir": str(trainer.run_dir), "error": f"invalid config: {err}"}
     except OSError as err:  # a full disk, a lost mount: what was written is intact
         print(f"torchrl-agent: the run stopped ({err}); fix it (free space), then {resume}", file=sys.stderr)
         return 1, {"run_dir": str(trainer.run_dir), "error": str(err)}
     if summary:  # ranks > 0 under torchrun return {}
         (trainer.run_dir / "summary.json").write_text(json.dumps(summary) + "\n")
         print(json.dumps(summary), flush=True)
-    return (1 if summary.get("checkpoint_error") else 0), summary
+    if summary.get("checkpoint_error"):  # trained and evaluated, but the final checkpoint is not on disk
+        print(f"torchrl-agent: {summary['checkpoint_error']}", file=sys.stderr)
+        return 1, summary
+    return 0, summary
 
 
 class SweepSummary(Callback):

@@ -29,7 +29,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
+__all__ = ["GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -214,6 +214,30 @@ def open_metrics(run_dir: Path, history: list[dict]):
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return open(path, "a")
+
+
+def open_tensorboard(folder: Path):
+    """A :class:`GuardedSink` over TensorBoard's ``SummaryWriter`` in ``folder``; ``None`` (logged
+    once) when it cannot even be created. The writer's background thread reports a failed write on
+    the next call (logged once by the sink): its own traceback is not printed."""
+    import threading
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    previous = threading.excepthook
+    if not getattr(previous, "_torchrl_agent", False):
+        def hook(args):
+            if type(args.thread).__name__ == "_AsyncWriterThread":  # TensorBoard's writer: surfaced by the sink
+                return
+            previous(args)
+
+        hook._torchrl_agent = True
+        threading.excepthook = hook
+    try:
+        return GuardedSink("TensorBoard", SummaryWriter(str(folder)))
+    except Exception as err:  # noqa: BLE001 - a logging view must never end training
+        logger.error("TensorBoard is off (%s: %s); metrics.jsonl, the run's record, goes on", type(err).__name__, err)
+        return None
 
 
 class GuardedSink:

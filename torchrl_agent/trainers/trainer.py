@@ -93,6 +93,7 @@ from torchrl_agent.trainers.run_dir import (
     metrics_iterations,
     new_run_dir,
     open_metrics,
+    open_tensorboard,
 )
 from torchrl_agent.trainers.validate import validate_config
 
@@ -481,8 +482,6 @@ class Trainer:
     def train(self) -> dict:
         """Runs the iterations (every rank under torchrun; rank 0 alone logs and plots);
         returns the run summary on rank 0 (``{}`` on the other ranks)."""
-        from torch.utils.tensorboard import SummaryWriter
-
         cfg = self.cfg
         main = is_main_process()
         writer = metrics_file = None
@@ -490,7 +489,7 @@ class Trainer:
         self.signals.install()
         if main:
             # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
-            writer = GuardedSink("TensorBoard", SummaryWriter(str(self.run_dir / "tensorboard")))
+            writer = open_tensorboard(self.run_dir / "tensorboard")
             self.wandb = init_wandb(cfg, self.run_dir)
             self.wandb = None if self.wandb is None else GuardedSink("W&B", self.wandb)
         t_start = time.perf_counter()
@@ -509,6 +508,8 @@ class Trainer:
                 self.evals.append((-1, success))
             summary.update(self.warm_start())
             self.sync_weights()
+            if self.reference is not None:  # the KL term anchors the warm-started policy, not the untrained one
+                load_full_state_dict(self.reference, full_state_dict(self.model))
             if main:
                 logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         evals = self.evals
@@ -563,7 +564,8 @@ class Trainer:
             return {}
         evals.append((cfg.iterations, final["eval_success"]))
         self._log(final, writer, metrics_file)
-        writer.close()
+        if writer is not None:
+            writer.close()
         metrics_file.close()
         summary.update(
             iterations=cfg.iterations,
@@ -574,8 +576,11 @@ class Trainer:
             train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
             wall_s=round(time.perf_counter() - t_start, 1),
         )
-        plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
-                            f"{cfg.env.name} / {cfg.algorithm.name}")
+        try:
+            plot_learning_curve(self.history, evals, self.run_dir / "learning_curve.png",
+                                f"{cfg.env.name} / {cfg.algorithm.name}")
+        except OSError as err:  # a full disk: the plot is a view of metrics.jsonl
+            logger.error("learning_curve.png not written (%s)", err)
         self.close()
         return summary
 
