@@ -41,6 +41,8 @@ NOT_RUN = {
     ".venv/bin/torchrl-agent train algorithm=gigpo env.num_groups=8 iterations=20":
         "three full runs (minutes each); the CLI is run by the configs page's blocks and tests/test_trainer.py",
     "make test": "the whole suite: this test is part of it",
+    "git clone <this repository> /tmp/qs && cd /tmp/qs && time make quickstart   # until its first `metrics` line":
+        "a fresh clone's venv and the quick start, timed by hand (docs/install.md)",
     "pip install -c constraints-cpu.txt -e .                        # core: quick start, light games, transformers engine":
         "installs into the running environment (make test installs every extra)",
     "pip install -c constraints-cpu.txt -e .                    # core: the quick start and the light games":
