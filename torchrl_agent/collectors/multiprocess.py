@@ -390,8 +390,8 @@ class MultiProcessStepCollector(ShardedCollector):
         self._requests, self._acks, self._data = ctx.Queue(), ctx.Queue(), ctx.Queue()
         self._responses = [ctx.Queue() for _ in self.shards]  # one per shard (its engine client)
         self._commands = [ctx.Queue() for _ in range(k)]
-        # one heartbeat slot per process (0: the engine server, 1 + r: collector process r; 0.0 until its
-        # first beat: a process still importing is watched by is_alive and start_timeout), see _wait
+        # one heartbeat slot per process (0: the engine server, 1 + r: collector process r), checked once
+        # every process is ready (while starting: is_alive and start_timeout), see _check_processes
         self._beats = ctx.Array("d", [0.0] * (k + 1), lock=False)
         self._engine = ctx.Process(target=_engine_main, name="torchrl_agent-engine", daemon=True,
                                    args=(engine, self._requests, self._responses, self._acks, self.engine_threads,
@@ -418,6 +418,7 @@ class MultiProcessStepCollector(ShardedCollector):
                 kind, rank, _, detail = self._wait(self._data, "the collector processes to start", timeout)
                 if kind != "ready":
                     raise RuntimeError(f"collector process {rank} failed to start:\n{detail}")
+            self._running = True  # from now on, a process without a heartbeat is hung (see _check_processes)
         except BaseException:
             self.shutdown()
             raise
@@ -443,6 +444,8 @@ class MultiProcessStepCollector(ShardedCollector):
         if dead:
             raise RuntimeError(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
                                "stops (its processes are shut down)") from None
+        if not getattr(self, "_running", False):  # starting: a loading engine may hold its GIL for long
+            return
         now = time.time()
         silent = [f"{p.name} (pid {p.pid}{_process_state(p.pid)}, silent for {now - self._beats[i]:.0f} s)"
                   for i, p in enumerate(procs) if 0 < self._beats[i] < now - self.heartbeat_timeout]
@@ -497,7 +500,8 @@ class MultiProcessStepCollector(ShardedCollector):
         now = time.time()
         beats = getattr(self, "_beats", None)
         faulted = any(not p.is_alive() for p in [*self._workers, self._engine]) or (
-            beats is not None and any(0 < b < now - self.heartbeat_timeout for b in beats))
+            beats is not None and getattr(self, "_running", False)
+            and any(0 < b < now - self.heartbeat_timeout for b in beats))
         deadline = time.monotonic() + (timeout or (2.0 if faulted else 30.0))
         for p in [*self._workers, self._engine]:
             p.join(max(0.1, deadline - time.monotonic()))
