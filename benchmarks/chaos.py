@@ -161,7 +161,8 @@ class Supervisor:
         return code
 
 
-def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path | None = None) -> dict:
+def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path | None = None,
+              timeout: float = 4 * 3600) -> dict:
     rng = random.Random(seed)
     kinds = list(SCHEDULES[schedule])
     rng.shuffle(kinds)
@@ -175,12 +176,12 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
     disk = Disk(run / "checkpoints", mb=256) if "disk_full" in kinds else None
     overrides = [*SMOKE, f"iterations={iterations}", f"seed={seed}"]
     sup = Supervisor(run, overrides, logs)
-    resumes, deadline = 0, time.monotonic() + 3600
+    resumes, deadline = 0, time.monotonic() + timeout
     sup.start(resume=disk is not None)  # a mounted checkpoints folder: resume=auto starts the (empty) run
     try:
         while True:
             if time.monotonic() > deadline:
-                raise TimeoutError("the chaos run did not finish within an hour")
+                raise TimeoutError(f"the chaos run did not finish within {timeout:.0f} s (--timeout)")
             code = sup.proc.poll()
             if code is not None:
                 sup.launches[-1]["handle"].close()
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clean", default=None, help="kill-only: the run directory of the unfaulted run (made "
                         "with `--print-clean-command`'s command; run when missing)")
     parser.add_argument("--print-clean-command", action="store_true", help="print the unfaulted run's command and exit")
+    parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the run is given up")
     args = parser.parse_args(argv)
     iterations = args.iterations or (4 if args.schedule == "short" else 30)
     if iterations < len(SCHEDULES[args.schedule]) + 2:
@@ -335,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(args.out or tmp)
         t0 = time.perf_counter()
-        result = run_chaos(out, iterations, args.schedule, args.seed, Path(args.clean) if args.clean else None)
+        result = run_chaos(out, iterations, args.schedule, args.seed, Path(args.clean) if args.clean else None,
+                           args.timeout)
         result["wall_s"] = round(time.perf_counter() - t0, 1)
     result = {k: result[k] for k in ("iterations_done", "faults_injected", "faults_survived", "resumes",
                                        "rows_lost_beyond_faulted", "metrics_consistent",

@@ -465,7 +465,11 @@ def test_sigint_and_sigterm_stop_at_the_end_of_an_iteration_with_a_checkpoint_an
     run = tmp_path / "run"
     proc, children = _start_trainer(run)
     os.kill(proc.pid, signum)
-    _, err = proc.communicate(timeout=300)
+    try:
+        _, err = proc.communicate(timeout=1200)  # the end of the iteration under way (a loaded machine: minutes)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
     assert proc.returncode == code, err
     message = _one_line(err)
     assert "stopped by SIG" in message and f"resume=auto run_dir={run}" in message, message
