@@ -447,8 +447,15 @@ class MultiProcessStepCollector(ShardedCollector):
         if not getattr(self, "_running", False):  # starting: a loading engine may hold its GIL for long
             return
         now = time.time()
+        stale = [(i, p) for i, p in enumerate(procs) if 0 < self._beats[i] < now - self.heartbeat_timeout]
+        for _, p in stale:  # a killed process may take a moment to be reaped: report it as exited then
+            p.join(2.0)
+        dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for _, p in stale if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
+                               "stops (its processes are shut down)") from None
         silent = [f"{p.name} (pid {p.pid}{_process_state(p.pid)}, silent for {now - self._beats[i]:.0f} s)"
-                  for i, p in enumerate(procs) if 0 < self._beats[i] < now - self.heartbeat_timeout]
+                  for i, p in stale]
         if silent:
             raise RuntimeError(f"waiting for {what}: no heartbeat from {', '.join(silent)} within "
                                f"heartbeat_timeout={self.heartbeat_timeout:g} s; the collector stops (its processes "
