@@ -67,6 +67,9 @@ def die_with_parent(parent: int) -> None:
     import threading
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # a forked worker inherits the trainer's SIGTERM handler (stop at the end of an iteration), which would
+    # swallow multiprocessing's terminate() at exit and leave the trainer joining it forever
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         try:
             import ctypes
