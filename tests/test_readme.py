@@ -99,5 +99,5 @@ def test_bash_block_runs(page, index, code, tmp_path):
     (tmp_path / ".venv").symlink_to(bin_dir.parent)
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(["bash", "-euo", "pipefail", "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=900)
+                         text=True, timeout=1800)
     assert out.returncode == 0, f"{page} block {index}:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
