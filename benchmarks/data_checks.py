@@ -65,7 +65,7 @@ def main() -> None:
     load_s = best(lambda: json.loads(text), args.repeats)
     check_s = best(check_products, args.repeats)
 
-    shared = Path(os.environ.get("TORCHRL_AGENT_SHARED_DATA", "/work/shared/data"))
+    shared = Path(os.environ.get("TORCHRL_AGENT_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
     game = shared / REAL_GAME
     solvable = re.compile(r'"solvable"\s*:\s*true\b')
 
