@@ -30,7 +30,7 @@ other faults, whose dropped episodes change the training). Prints one JSON objec
 
     python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0
     python benchmarks/chaos.py --iterations 30 --schedule kill-only --seed 0
-    python benchmarks/chaos.py --schedule short     # 4 iterations: one kill + resume, one corrupted checkpoint
+    python benchmarks/chaos.py --schedule short     # 6 iterations: one kill + resume, one corrupted checkpoint
 """
 
 from __future__ import annotations
@@ -166,8 +166,9 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
     rng = random.Random(seed)
     kinds = list(SCHEDULES[schedule])
     rng.shuffle(kinds)
-    # the faults at distinct iterations, spaced (each one's outcome is seen before the next)
-    slots = list(range(1, iterations - 1))
+    # the faults at distinct iterations, spaced (each one's outcome is seen before the next), the last one
+    # with two iterations after it: a resumed launch that trains fast cannot finish before it fires
+    slots = list(range(1, iterations - 2))
     step = max(1, len(slots) // len(kinds))
     at = [slots[min(len(slots) - 1, i * step + rng.randrange(step))] for i in range(len(kinds))]
     events = [{"kind": k, "after_iteration": it, "fired": False, "survived": False} for k, it in zip(kinds, at)]
@@ -203,7 +204,9 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                 event["fired"], event["launch"] = True, len(sup.launches) - 1
                 kind = event["kind"]
                 if kind == "trainer_kill":
-                    time.sleep(rng.uniform(0.0, 2.0))  # somewhere in the next iteration or its checkpoint write
+                    # somewhere in the next iteration or its checkpoint write (an iteration lasts about as long
+                    # as the last one did)
+                    time.sleep(rng.uniform(0.0, _metrics(run)[-1].get("iteration_s", 1.0)))
                     sup.proc.kill()
                     sup.wait_exit()
                     sup.start(resume=True)
@@ -237,7 +240,7 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                 if e["kind"] == "disk_full" and e["fired"] and "freed" not in e and done and max(done) >= e["until_iteration"]:
                     disk.free()
                     e["freed"] = True
-            time.sleep(0.2)
+            time.sleep(0.05)
         result = _check(run, iterations, events, sup)
         state = None
         if schedule == "kill-only":
@@ -290,7 +293,7 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
         "rows_lost_beyond_faulted": lost,
         "metrics_consistent": consistent,
         "env_faults_in_metrics": sum(r.get("env_faults", 0) for r in records),
-        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "survived", "file", "method")}
+        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "fired", "survived", "file", "method")}
                    for e in events],
     }
 
@@ -319,7 +322,7 @@ def _equal_to_clean_run(out: Path, overrides: list[str], state: dict, clean: Pat
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iterations", type=int, default=None, help="training iterations (default 30; short: 4)")
+    parser.add_argument("--iterations", type=int, default=None, help="training iterations (default 30; short: 6)")
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="mixed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="working folder (default: a temporary one, removed)")
@@ -328,9 +331,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--print-clean-command", action="store_true", help="print the unfaulted run's command and exit")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the run is given up")
     args = parser.parse_args(argv)
-    iterations = args.iterations or (4 if args.schedule == "short" else 30)
-    if iterations < len(SCHEDULES[args.schedule]) + 2:
-        parser.error(f"--iterations must be >= {len(SCHEDULES[args.schedule]) + 2} for --schedule {args.schedule}")
+    iterations = args.iterations or (6 if args.schedule == "short" else 30)
+    if iterations < len(SCHEDULES[args.schedule]) + 3:
+        parser.error(f"--iterations must be >= {len(SCHEDULES[args.schedule]) + 3} for --schedule {args.schedule}")
     if args.print_clean_command:
         print(" ".join(clean_run_args(iterations, args.seed, Path(args.clean or "runs/chaos_clean"))))
         return 0
