@@ -34,6 +34,7 @@ weights.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -51,6 +52,8 @@ from torchrl_agent.collectors.weight_sync import EngineReloadScheme, as_state_di
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
 __all__ = ["MultiProcessStepCollector", "EngineClient", "TextEnvFactory"]
+
+logger = logging.getLogger(__name__)
 
 _POLL_S = 1.0
 _BEAT_S = 0.5  # a child process's heartbeat period
@@ -224,6 +227,9 @@ def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], 
     parent, built = os.getppid(), []
     if beats is not None:
         _start_heartbeat(beats, 1 + rank, parent)
+    # the env's worker processes (env.num_workers) are children of this one, which multiprocessing refuses to a
+    # daemonic process: they die with it (die_with_parent) and the coordinator stops it, so it may have them
+    mp.current_process()._config["daemon"] = False
     try:
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
@@ -419,6 +425,8 @@ class MultiProcessStepCollector(ShardedCollector):
                 if kind != "ready":
                     raise RuntimeError(f"collector process {rank} failed to start:\n{detail}")
             self._running = True  # from now on, a process without a heartbeat is hung (see _check_processes)
+            logger.info("collector processes started: %s", ", ".join(f"{p.name} (pid {p.pid})"
+                                                                       for p in [self._engine, *self._workers]))
         except BaseException:
             self.shutdown()
             raise
@@ -438,12 +446,14 @@ class MultiProcessStepCollector(ShardedCollector):
 
     def _check_processes(self, what: str) -> None:
         """Raise ``RuntimeError`` naming every process that exited (and its exit code) or whose
-        heartbeat is older than ``heartbeat_timeout`` seconds; the collector cannot go on."""
+        heartbeat is older than ``heartbeat_timeout`` seconds; the collector cannot go on: it shuts
+        its processes down first (nothing is left for the caller to clean up, and no queue feeder
+        blocked on a dead reader's pipe holds the interpreter at exit)."""
         procs = [self._engine, *self._workers]
         dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in procs if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
-                               "stops (its processes are shut down)") from None
+            self._fail(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
+                       f"stops (its processes are shut down){self._reported_errors()}")
         if not getattr(self, "_running", False):  # starting: a loading engine may hold its GIL for long
             return
         now = time.time()
@@ -452,14 +462,32 @@ class MultiProcessStepCollector(ShardedCollector):
             p.join(2.0)
         dead = [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for _, p in stale if not p.is_alive()]
         if dead:
-            raise RuntimeError(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
-                               "stops (its processes are shut down)") from None
+            self._fail(f"waiting for {what}: process(es) {', '.join(dead)} exited; the collector "
+                       f"stops (its processes are shut down){self._reported_errors()}")
         silent = [f"{p.name} (pid {p.pid}{_process_state(p.pid)}, silent for {now - self._beats[i]:.0f} s)"
                   for i, p in stale]
         if silent:
-            raise RuntimeError(f"waiting for {what}: no heartbeat from {', '.join(silent)} within "
-                               f"heartbeat_timeout={self.heartbeat_timeout:g} s; the collector stops (its processes "
-                               "are shut down)") from None
+            self._fail(f"waiting for {what}: no heartbeat from {', '.join(silent)} within "
+                       f"heartbeat_timeout={self.heartbeat_timeout:g} s; the collector stops (its processes "
+                       "are shut down)")
+
+    def _fail(self, message: str) -> None:
+        self.shutdown()
+        raise RuntimeError(message) from None
+
+    def _reported_errors(self) -> str:
+        """The tracebacks the processes sent before they exited (a failed start exits with code 0
+        after sending its error), read from the queues without waiting."""
+        found = []
+        for q in (self._data, self._acks):
+            while True:
+                try:
+                    message = q.get_nowait()
+                except (queue.Empty, OSError, ValueError):
+                    break
+                if message[0] == "error":
+                    found.append(f"\n{message[-1]}")
+        return "".join(found)
 
     def _send(self, command: tuple) -> None:
         for commands in self._commands:
@@ -470,7 +498,7 @@ class MultiProcessStepCollector(ShardedCollector):
         while len(self._arrived.get(key, {})) < len(self.shards):
             kind, shard, tag, payload = self._wait(self._data, f"batch {batch}")
             if kind == "error":
-                raise RuntimeError(f"collector shard {shard} failed:\n{payload}")
+                self._fail(f"collector shard {shard} failed:\n{payload}")
             if tag[0] == self._epoch:  # batches of an earlier seed are dropped
                 self._arrived.setdefault(tag, {})[shard] = payload
         shards = self._arrived.pop(key)

@@ -55,6 +55,7 @@ else:
 __all__ = ["PolicyFactory", "RayStepCollector"]
 
 _ENGINES = ("transformers", "vllm", "http")
+_POLL_S = 0.5  # how often a waiting driver checks the actors it waits for
 
 
 @dataclass
@@ -126,6 +127,12 @@ class _ShardActor(CollectorShard):
     def ready(self) -> bool:
         return True
 
+    @ray.method(concurrency_group="heartbeat") if ray is not None else (lambda f: f)
+    def heartbeat(self) -> float:
+        """Answered from a thread of its own while a command runs: an actor that does not answer
+        (stopped by SIGSTOP, frozen) is named by the driver after ``heartbeat_timeout`` seconds."""
+        return time.time()
+
     def pid(self) -> int:
         """The actor's process id (named when it dies; for monitoring and fault tests)."""
         return os.getpid()
@@ -177,6 +184,10 @@ class RayStepCollector(ShardedCollector):
         actor_options: Ray's options of each actor (default ``{"num_cpus": 1}``; e.g.
             ``{"num_cpus": 4, "num_gpus": 1}`` for an engine per GPU).
         start_timeout: seconds to wait for the actors to start.
+        heartbeat_timeout: while the driver waits for an actor, it pings it (a method served by a
+            thread of its own, :meth:`_ShardActor.heartbeat`); an actor that does not answer within
+            this many seconds (stopped by SIGSTOP, frozen) is named, with its pid, and the collector
+            raises ``RuntimeError``. An actor that died is named as soon as Ray reports it.
 
     Example::
 
@@ -193,10 +204,14 @@ class RayStepCollector(ShardedCollector):
     def __init__(self, env_factory: Callable[[int], EnvBase], policy_factory: Callable[[], LLMPolicy], *,
                  num_groups: int, num_collectors: int = 2, seed: int = 0, total_frames: int = -1,
                  total_batches: int | None = None, replay_buffer=None, postproc=None, max_batches_ahead: int = 0,
-                 actor_options: dict[str, Any] | None = None, start_timeout: float = 600.0):
+                 actor_options: dict[str, Any] | None = None, start_timeout: float = 600.0,
+                 heartbeat_timeout: float = 60.0):
         if ray is None:
             raise ImportError("RayStepCollector needs Ray, an optional extra: pip install 'torchrl-agent[ray]'"
                               ) from _RAY_ERROR
+        if not heartbeat_timeout > 0:
+            raise ValueError(f"heartbeat_timeout must be > 0, got {heartbeat_timeout}")
+        self.heartbeat_timeout, self._running, self._faulted = float(heartbeat_timeout), False, False
         super().__init__(num_groups=num_groups, num_collectors=num_collectors, seed=seed, total_frames=total_frames,
                          total_batches=total_batches, replay_buffer=replay_buffer, postproc=postproc,
                          max_batches_ahead=max_batches_ahead)
@@ -206,12 +221,13 @@ class RayStepCollector(ShardedCollector):
             ray.init()
         options = {"num_cpus": 1, **(actor_options or {})}
         threads = max(1, int(options["num_cpus"])) if options.get("num_cpus") else None
-        actor_class = ray.remote(_ShardActor).options(**options)
+        actor_class = ray.remote(concurrency_groups={"heartbeat": 1})(_ShardActor).options(**options)
         try:
             self._actors = [actor_class.remote(env_factory, policy_factory, groups, offset, num_groups, seed, threads)
                             for groups, offset in self.shards]
             self._get([a.ready.remote() for a in self._actors], "the actors to start", start_timeout)
             self._pids = self._get([a.pid.remote() for a in self._actors], "the actors' process ids")
+            self._running = True  # from now on, an actor that does not answer its heartbeat is hung
         except BaseException:
             self.shutdown()
             raise
@@ -221,17 +237,46 @@ class RayStepCollector(ShardedCollector):
     def _get(self, refs: list, what: str, timeout: float | None = None) -> list:
         """``ray.get(refs)`` (one ref per actor, in order), naming the actor that failed: an actor
         that died (killed, out of memory, its node lost) is reported as soon as Ray knows, with its
-        pid; the collector cannot go on (a training run stops with a message, ``resume=auto``
-        continues it)."""
+        pid; one that does not answer its heartbeat for ``heartbeat_timeout`` seconds (stopped,
+        frozen) then. Either way the collector cannot go on (a training run stops with a message,
+        ``resume=auto`` continues it)."""
+        t0, pings = time.monotonic(), {}  # rank -> (heartbeat ref, when sent)
         try:
-            return ray.get(refs, timeout=timeout)
+            while True:
+                ready, waiting = ray.wait(refs, num_returns=len(refs), timeout=_POLL_S)
+                if not waiting:
+                    return ray.get(refs)
+                if ready:
+                    ray.get(ready)  # an actor that died or failed: raises now, not when the others are done
+                if timeout is not None and time.monotonic() - t0 > timeout:
+                    raise GetTimeoutError
+                if self._running:
+                    self._check_heartbeats([r for r, ref in enumerate(refs) if ref in waiting], pings, what)
         except GetTimeoutError:
             raise TimeoutError(f"waiting for {what}: no answer in {timeout:.0f} s") from None
         except (RayActorError, RayTaskError) as err:
+            self._faulted = True
             rank = next((r for r, ref in enumerate(refs) if _failed(ref)), "?")
-            pids = getattr(self, "_pids", [])
-            pid = f" (pid {pids[rank]})" if isinstance(rank, int) and rank < len(pids) else ""
-            raise RuntimeError(f"waiting for {what}: collector actor {rank}{pid} failed:\n{err}") from err
+            raise RuntimeError(f"waiting for {what}: collector actor {rank}{self._pid(rank)} failed:\n{err}") from err
+
+    def _pid(self, rank) -> str:
+        pids = getattr(self, "_pids", [])
+        return f" (pid {pids[rank]})" if isinstance(rank, int) and rank < len(pids) else ""
+
+    def _check_heartbeats(self, ranks: list[int], pings: dict, what: str) -> None:
+        """Ping each actor of ``ranks`` (the ones still working) once its last ping was answered;
+        raise ``RuntimeError`` naming those whose ping went unanswered for ``heartbeat_timeout`` s."""
+        now, silent = time.monotonic(), []
+        for rank in ranks:
+            ping = pings.get(rank)
+            if ping is None or ray.wait([ping[0]], timeout=0)[0]:
+                pings[rank] = (self._actors[rank].heartbeat.remote(), now)
+            elif now - ping[1] > self.heartbeat_timeout:
+                silent.append(f"collector actor {rank}{self._pid(rank)}, silent for {now - ping[1]:.0f} s")
+        if silent:
+            self._faulted = True
+            raise RuntimeError(f"waiting for {what}: no heartbeat from {', '.join(silent)} within heartbeat_timeout="
+                               f"{self.heartbeat_timeout:g} s (stopped or frozen?); the collector stops")
 
     def _send(self, command: tuple) -> None:
         kind = command[0]
@@ -261,14 +306,14 @@ class RayStepCollector(ShardedCollector):
             self._actors = []
             return
         if close_env and self._actors:
-            try:
-                ray.get([a.close.remote() for a in self._actors], timeout=timeout or 30.0)
+            try:  # after a fault (an actor dead or silent) the others are not waited for long
+                ray.get([a.close.remote() for a in self._actors], timeout=timeout or (2.0 if self._faulted else 30.0))
             except Exception:  # an actor that died or hangs: killed below all the same
                 pass
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
         # ray.kill is asynchronous: return once every actor is gone (its resources back to the cluster)
-        deadline = time.monotonic() + (timeout or 30.0)
+        deadline = time.monotonic() + (timeout or 30.0)  # a stopped actor's process is SIGKILLed too
         for actor in self._actors:
             while time.monotonic() < deadline:
                 try:
