@@ -7,8 +7,16 @@ experiment with ``checkpoint_every=1`` and ``env.num_workers=2``). The superviso
 
 - ``trainer_kill``: SIGKILL of the trainer at a random moment of the next iteration (mid-update,
   mid-checkpoint-write), then a restart with ``resume=auto``;
-- ``worker_kill``: SIGKILL of one of the trainer's env worker processes (the env restarts it, the
-  episodes it was running are left out of training, ``env_faults`` in the metrics);
+- ``worker_kill``: SIGKILL of one of the env worker processes (the trainer's, or with
+  ``collector.kind=multiprocess`` a collector process's; the env restarts it, the episodes it was
+  running are left out of training, ``env_faults`` in the metrics);
+- ``collector_kill``: SIGKILL of the ``MultiProcessStepCollector``'s engine server or one of its
+  collector processes (their pids are in the line the trainer logs when they start) at a moment of
+  the next iteration: the collector names it with its exit code and stops, the run stops with an
+  error (no hang), and the supervisor restarts it with ``resume=auto``, which redoes the iteration
+  that was cut short from the last checkpoint. A schedule with this fault trains with
+  ``collector.kind=multiprocess rollout.engine=vllm`` (two collector processes over one vLLM engine
+  server);
 - ``corrupt_checkpoint``: the trainer is stopped (SIGSTOP), 16 bytes in the middle of its newest
   checkpoint are flipped, the trainer is killed and restarted with ``resume=auto``, which must skip
   that checkpoint (named in its log) and continue from the one before;
@@ -16,11 +24,9 @@ experiment with ``checkpoint_every=1`` and ``env.num_workers=2``). The superviso
   supervisor may mount, else the trainer's file-size limit via ``prlimit``: EFBIG) is filled just
   below one checkpoint's size for one checkpoint write: the write is refused, the run goes on.
 
-Collector-process kills (``MultiProcessStepCollector``'s engine server and collector processes,
-Ray actors) are not in this run: the smoke trainer collects in its own process. They are caused
-for real in ``tests/test_faults_collectors.py``.
-
 A fault is *survived* when it had its designed outcome (named above) and the run then finished.
+Which faults fire is fixed by the seed: a scheduled fault that could not fire before the run ended
+is counted in ``faults_not_fired`` and fails the run (exit code 1), never dropped silently.
 At the end: ``metrics_consistent`` (the metrics lines are iterations ``0..N-1`` once each plus the
 final evaluation, and equal the records stored in ``last.pt``), ``rows_lost_beyond_faulted``
 (summed over iterations: rows collected - rows trained - rows left out for a fault; 0 when only
@@ -39,6 +45,7 @@ import argparse
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -53,8 +60,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SMOKE = ["experiment=smoke", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
          "env.max_steps=3", "rollout.max_new_tokens=6", "progress=false", "warm_start.steps=0", "checkpoint_every=1",
          "env.num_workers=2"]
+# collector_kill needs the collector's own processes: a schedule with it collects with collector.kind=multiprocess
+MULTIPROCESS = ["collector.kind=multiprocess", "rollout.engine=vllm", "collector.num_collectors=2"]
 SCHEDULES = {
-    "mixed": ["trainer_kill", "trainer_kill", "worker_kill", "worker_kill", "corrupt_checkpoint", "disk_full"],
+    "mixed": ["trainer_kill", "trainer_kill", "worker_kill", "worker_kill", "corrupt_checkpoint", "disk_full",
+              "collector_kill"],
     "kill-only": ["trainer_kill", "trainer_kill", "trainer_kill"],
     "short": ["trainer_kill", "corrupt_checkpoint"],
 }
@@ -80,6 +90,16 @@ def _children(pid: int) -> list[int]:
         except OSError:
             pass
     return out
+
+
+def _collector_processes(log: str) -> dict[str, int]:
+    """``{name: pid}`` of the multi-process collector's engine server and collector processes, from the
+    line a launch logs once they started (``collector processes started: torchrl_agent-engine (pid N), ...``)."""
+    found: dict[str, int] = {}
+    for line in log.splitlines():
+        if "collector processes started:" in line:
+            found = {m[0]: int(m[1]) for m in re.findall(r"(torchrl_agent-[\w-]+) \(pid (\d+)\)", line)}
+    return found
 
 
 def _is_env_worker(pid: int) -> bool:
@@ -175,7 +195,8 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
     run, logs = out / "run", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     disk = Disk(run / "checkpoints", mb=256) if "disk_full" in kinds else None
-    overrides = [*SMOKE, f"iterations={iterations}", f"seed={seed}"]
+    overrides = [*SMOKE, *(MULTIPROCESS if "collector_kill" in kinds else []), f"iterations={iterations}",
+                 f"seed={seed}"]
     sup = Supervisor(run, overrides, logs)
     resumes, deadline = 0, time.monotonic() + timeout
     sup.start(resume=disk is not None)  # a mounted checkpoints folder: resume=auto starts the (empty) run
@@ -225,11 +246,33 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                     sup.start(resume=True)
                     resumes += 1
                 elif kind == "worker_kill":
-                    workers = [p for p in _children(sup.proc.pid) if _is_env_worker(p)]
+                    # the env workers: the trainer's children, or the collector processes' (collector.kind=multiprocess)
+                    owners = [pid for name, pid in _collector_processes(sup.log_text(event["launch"])).items()
+                              if "collector-" in name] or [sup.proc.pid]
+                    workers = [p for owner in owners for p in _children(owner) if _is_env_worker(p)]
                     if workers:
                         victim = rng.choice(workers)
                         os.kill(victim, signal.SIGKILL)
                         event["pid"] = victim
+                elif kind == "collector_kill":
+                    # SIGKILL of the engine server or a collector process, at a moment of the next iteration: the
+                    # collector names it and stops, so does the run (an error exit); then resume=auto
+                    processes = sorted(_collector_processes(sup.log_text(event["launch"])).items())
+                    time.sleep(rng.uniform(0.0, _metrics(run)[-1].get("iteration_s", 1.0)))
+                    if processes:
+                        event["victim"], event["pid"] = rng.choice(processes)
+                        try:
+                            os.kill(event["pid"], signal.SIGKILL)
+                        except ProcessLookupError:
+                            event["victim_gone"] = True
+                    try:  # seconds by design; minutes on a loaded machine; never forever
+                        event["code"] = sup.wait_exit(timeout=900)
+                    except subprocess.TimeoutExpired:
+                        event["hung"] = True
+                        sup.proc.kill()
+                        event["code"] = sup.wait_exit()
+                    sup.start(resume=True)
+                    resumes += 1
                 elif kind == "disk_full":
                     newest = _newest_checkpoint(run / "checkpoints")
                     disk.fill(sup.proc.pid, newest.stat().st_size if newest else 1 << 20)
@@ -283,17 +326,24 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
             e["survived"] = f"skipped checkpoint {run / 'checkpoints' / e['file']}" in later and "resumed from" in later
         elif e["kind"] == "worker_kill":
             e["survived"] = "pid" in e and "worker fault" in same + later
+        elif e["kind"] == "collector_kill":
+            # named with its exit code in the killed launch's log, which ended with an error (not a hang, not
+            # the supervisor's kill); the next launch resumed
+            e["survived"] = ("pid" in e and f"{e['victim']} (pid {e['pid']}, exit code -9) exited" in same
+                             and e.get("code") not in (None, 0, -signal.SIGKILL) and "resumed from" in later)
         elif e["kind"] == "disk_full":
             e["survived"] = any(s in same for s in ("No space left", "File too large")) and "training continues" in same
     fired = [e for e in events if e["fired"]]
     return {
+        "faults_scheduled": len(events),  # a fault that did not fire is a failure (faults_not_fired), not dropped
+        "faults_not_fired": len(events) - len(fired),
         "iterations_done": len({i for i in its if i < iterations}),
         "faults_injected": len(fired),
         "faults_survived": sum(e["survived"] for e in fired),
         "rows_lost_beyond_faulted": lost,
         "metrics_consistent": consistent,
         "env_faults_in_metrics": sum(r.get("env_faults", 0) for r in records),
-        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "fired", "survived", "file", "method")}
+        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "fired", "survived", "file", "method", "victim", "code", "hung")}
                    for e in events],
     }
 
@@ -343,11 +393,12 @@ def main(argv: list[str] | None = None) -> int:
         result = run_chaos(out, iterations, args.schedule, args.seed, Path(args.clean) if args.clean else None,
                            args.timeout)
         result["wall_s"] = round(time.perf_counter() - t0, 1)
-    result = {k: result[k] for k in ("iterations_done", "faults_injected", "faults_survived", "resumes",
+    result = {k: result[k] for k in ("iterations_done", "faults_scheduled", "faults_injected", "faults_survived",
+                                       "faults_not_fired", "resumes",
                                        "rows_lost_beyond_faulted", "metrics_consistent",
                                        "final_weights_equal_clean_run")} | result
     print(json.dumps(result))
-    ok = (result["faults_survived"] == result["faults_injected"] and result["rows_lost_beyond_faulted"] == 0
+    ok = (result["faults_not_fired"] == 0 and result["faults_survived"] == result["faults_injected"] and result["rows_lost_beyond_faulted"] == 0
           and result["metrics_consistent"] and result["final_weights_equal_clean_run"] is not False)
     return 0 if ok else 1
 
