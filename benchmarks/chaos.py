@@ -10,8 +10,9 @@ experiment with ``checkpoint_every=1`` and ``env.num_workers=2``). The superviso
 - ``worker_kill``: SIGKILL of one of the env worker processes (the trainer's, or with
   ``collector.kind=multiprocess`` a collector process's; the env restarts it, the episodes it was
   running are left out of training, ``env_faults`` in the metrics);
-- ``collector_kill``: SIGKILL of the ``MultiProcessStepCollector``'s engine server or one of its
-  collector processes (their pids are in the line the trainer logs when they start) at a moment of
+- ``collector_kill`` / ``engine_kill``: SIGKILL of one of the ``MultiProcessStepCollector``'s
+  collector processes / of its engine server (their pids are in the line the trainer logs when they
+  start) at a moment of
   the next iteration: the collector names it with its exit code and stops, the run stops with an
   error (no hang), and the supervisor restarts it with ``resume=auto``, which redoes the iteration
   that was cut short from the last checkpoint. A schedule with this fault trains with
@@ -60,11 +61,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SMOKE = ["experiment=smoke", "eval_every=0", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2",
          "env.max_steps=3", "rollout.max_new_tokens=6", "progress=false", "warm_start.steps=0", "checkpoint_every=1",
          "env.num_workers=2"]
-# collector_kill needs the collector's own processes: a schedule with it collects with collector.kind=multiprocess
+# collector_kill / engine_kill need the collector's own processes: a schedule with them collects with
+# collector.kind=multiprocess
 MULTIPROCESS = ["collector.kind=multiprocess", "rollout.engine=vllm", "collector.num_collectors=2"]
 SCHEDULES = {
     "mixed": ["trainer_kill", "trainer_kill", "worker_kill", "worker_kill", "corrupt_checkpoint", "disk_full",
-              "collector_kill"],
+              "collector_kill", "engine_kill"],
     "kill-only": ["trainer_kill", "trainer_kill", "trainer_kill"],
     "short": ["trainer_kill", "corrupt_checkpoint"],
 }
@@ -195,7 +197,7 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
     run, logs = out / "run", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     disk = Disk(run / "checkpoints", mb=256) if "disk_full" in kinds else None
-    overrides = [*SMOKE, *(MULTIPROCESS if "collector_kill" in kinds else []), f"iterations={iterations}",
+    overrides = [*SMOKE, *(MULTIPROCESS if {"collector_kill", "engine_kill"} & set(kinds) else []), f"iterations={iterations}",
                  f"seed={seed}"]
     sup = Supervisor(run, overrides, logs)
     resumes, deadline = 0, time.monotonic() + timeout
@@ -254,10 +256,11 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                         victim = rng.choice(workers)
                         os.kill(victim, signal.SIGKILL)
                         event["pid"] = victim
-                elif kind == "collector_kill":
-                    # SIGKILL of the engine server or a collector process, at a moment of the next iteration: the
+                elif kind in ("collector_kill", "engine_kill"):
+                    # SIGKILL of a collector process / the engine server, at a moment of the next iteration: the
                     # collector names it and stops, so does the run (an error exit); then resume=auto
-                    processes = sorted(_collector_processes(sup.log_text(event["launch"])).items())
+                    processes = sorted((name, pid) for name, pid in _collector_processes(
+                        sup.log_text(event["launch"])).items() if ("engine" in name) == (kind == "engine_kill"))
                     time.sleep(rng.uniform(0.0, _metrics(run)[-1].get("iteration_s", 1.0)))
                     if processes:
                         event["victim"], event["pid"] = rng.choice(processes)
@@ -326,7 +329,7 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
             e["survived"] = f"skipped checkpoint {run / 'checkpoints' / e['file']}" in later and "resumed from" in later
         elif e["kind"] == "worker_kill":
             e["survived"] = "pid" in e and "worker fault" in same + later
-        elif e["kind"] == "collector_kill":
+        elif e["kind"] in ("collector_kill", "engine_kill"):
             # named with its exit code in the killed launch's log, which ended with an error (not a hang, not
             # the supervisor's kill); the next launch resumed
             e["survived"] = ("pid" in e and f"{e['victim']} (pid {e['pid']}, exit code -9) exited" in same
