@@ -137,6 +137,16 @@ def _worker(out_path: str, model_path: str) -> None:
     steps = train_steps(bf16_model, micro_batch_tokens=MICRO_BATCH_TOKENS)
     result["bf16"] = {"loss": steps["loss"], "grad_norm": steps["grad_norm"], "state": steps["state"],
                       "param_dtypes": {p.dtype for p in bf16_model.parameters()}}
+    # activation checkpointing (model.gradient_checkpointing, non-reentrant) under FSDP2: the same steps
+    from torchrl_agent.models import load_model
+    from torchrl_agent.trainers.config import TrainConfig
+
+    cfg = TrainConfig().model
+    cfg.name, cfg.path, cfg.gradient_checkpointing = "hf", model_path, True
+    checkpointed, _ = load_model(cfg, dtype=torch.float32)
+    result["checkpointing_on"] = checkpointed.is_gradient_checkpointing
+    steps = train_steps(shard_model(checkpointed.train()))
+    result["checkpointing"] = {k: steps[k] for k in ("loss", "grad_norm", "state")}
     result.update(rank=get_rank(), sharded=sharded, tied=tied)
     if is_main_process():
         torch.save(result, out_path)
@@ -271,6 +281,21 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_master_weights(tiny_path, dist_re
     fp32 = train_steps(model)
     torch.testing.assert_close(bf16["loss"], fp32["loss"], atol=2e-2, rtol=5e-2)  # within bf16 precision
     assert bf16["loss"] != fp32["loss"]  # and really computed in bf16
+
+
+def test_fsdp2_with_gradient_checkpointing_matches_one_process_without_it(tiny_path, dist_result):
+    """2 ranks, FSDP2-sharded, activation checkpointing on (``model.gradient_checkpointing``): the
+    clipped-loss steps give the losses, gradient norms and weights of one process without it."""
+    from transformers import AutoModelForCausalLM
+
+    assert dist_result["checkpointing_on"]
+    single = train_steps(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train())
+    checkpointed = dist_result["checkpointing"]
+    torch.testing.assert_close(checkpointed["loss"], single["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(checkpointed["grad_norm"], single["grad_norm"], atol=1e-6, rtol=1e-5)
+    assert checkpointed["state"].keys() == single["state"].keys()
+    for name, value in single["state"].items():
+        torch.testing.assert_close(checkpointed["state"][name], value, atol=1e-5, rtol=0, msg=name)
 
 
 def _trainer_worker(out_path: str, run_dir: str) -> None:
