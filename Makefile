@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # --no-compile: no bytecode for the ~30,000 installed modules up front (about 2 CPU minutes); Python
 # compiles the few thousand a run imports on first use and caches them.
-INSTALL := $(INSTALL) --no-compile
+INSTALL := $(PIP) install --no-compile
 CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
