@@ -416,6 +416,8 @@ def generate_games(
             walkthrough = _expert_walkthrough(game_file, max_expert_steps, game_seed)
             if walkthrough is None:
                 shutil.rmtree(folder)
+                with contextlib.suppress(OSError):  # the task's folder, unless another trial of it is kept
+                    os.rmdir(os.path.dirname(folder))
                 continue
             built["game"].update(solvable=True, walkthrough=walkthrough)
             with open(game_file, "w") as f:
