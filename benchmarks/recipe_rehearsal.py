@@ -12,6 +12,11 @@ sizes) except what cannot fit 2 CPU cores:
 - the sizes: ``env.num_groups=2``, ``env.group_size=2``, ``env.eval_episodes=2``, at most 3 steps
   per episode, 16 new tokens per response, micro-batches of at most 2,048 padded tokens (the
   recipes' 16,384 took 7.5 GB per rank with SmolLM2 and was killed for memory on a 24 GB machine);
+- ``model.gradient_checkpointing=true``: the memory plan's setting for a GPU the activations do not
+  fit (``docs/training_at_scale.md``). Without it a rank of ``alfworld_gigpo`` held 8.2 GB in
+  iteration 1's update (float32 activations of 2,048-token micro-batches: about 71 bytes per unit
+  of hidden size per token and layer, doubled in float32) and was killed for memory beside the
+  other rank on the 24 GB machine;
 - ALFWorld's games (``alfworld_*``): without the official data (``env.kwargs.data_dir``) the recipes
   generate 4 games per task type and split offline, each one checked by playing ALFWorld's expert
   through the TextWorld engine (about 35 s a game on this machine); the rehearsal takes 1 game per
@@ -51,7 +56,8 @@ GPU_RECIPES = ("alfworld_gigpo", "alfworld_gigpo_7b", "alfworld_grpo", "webshop_
 #: What every rehearsal changes (the rest is the recipe's).
 CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",
         "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=3",
-        "rollout.max_new_tokens=16", "algorithm.micro_batch_tokens=2048", "progress=false", "threads=1", "checkpoint_every=0"]
+        "rollout.max_new_tokens=16", "algorithm.micro_batch_tokens=2048",
+        "model.gradient_checkpointing=true", "progress=false", "threads=1", "checkpoint_every=0"]
 #: Per-recipe cuts (the module notes say why).
 ALFWORLD_GAMES_PER_TYPE = 1
 RECIPE_CUTS = {name: [f"+env.kwargs.generated_games_per_type={ALFWORLD_GAMES_PER_TYPE}"]
@@ -127,8 +133,12 @@ def rehearse(name: str, workdir: Path, timeout: float) -> dict:
         out["episodes"] = [r.get("episodes") for r in trained]
     if not completed:
         lines = (workdir / f"{name}.log").read_text().splitlines()
-        out["error"] = next((line for line in lines if line.startswith(("torchrl-agent:", "[rank0]: ", "Traceback"))
-                             and "elastic" not in line), lines[-1] if lines else "")[:400]
+        errors = [line for line in lines if line.startswith("torchrl-agent:") or "Error: " in line
+                  or "exitcode" in line and "SIG" in line]  # a message, an exception, a rank killed (torchrun)
+        errors.sort(key=lambda line: "exitcode" not in line)  # a killed rank first: the others' errors follow from it
+        out["error"] = " | ".join(dict.fromkeys(e.strip() for e in errors))[:600] or (lines[-1] if lines else "")
+        if time.perf_counter() - t0 > timeout:
+            out["error"] = f"stopped by the {timeout:.0f} s limit; " + out["error"]
     return out
 
 
