@@ -259,3 +259,39 @@ def test_generator_is_deterministic_and_cached(tmp_path):
     assert again.game_files == find_game_files(root, "valid_unseen") and again.game_files != env.game_files
     td = again.reset()
     assert td["task_type"][0] == "pick_and_place_simple" and td["task"][0]
+
+
+def test_generated_splits_are_cached_one_by_one_and_a_killed_generation_is_cleaned(tmp_path, monkeypatch):
+    # the cache's bookkeeping alone: generate_games is replaced by a writer of one file per split
+    # (the games themselves: the tests above), and fails once, as a generation killed midway
+    from torchrl_agent.envs.alfworld import generator
+
+    calls, fail = [], {"valid_seen"}
+
+    def fake_generate(out_dir, *, split, task_types, games_per_type, seed):
+        calls.append(split)
+        folder = os.path.join(out_dir, "json_2.1.1", split, "task", "trial")
+        os.makedirs(folder)
+        open(os.path.join(folder, "game.tw-pddl"), "w").close()
+        if split in fail:
+            raise KeyboardInterrupt
+        return [os.path.join(folder, "game.tw-pddl")]
+
+    monkeypatch.setattr(generator, "generate_games", fake_generate)
+    kwargs = dict(games_per_type=1, task_types=["pick_and_place_simple"], cache_dir=tmp_path)
+    root = generator.generated_data_dir(splits=("train",), **kwargs)  # the training env's split alone
+    parent, name = os.path.split(root)
+    assert calls == ["train"] and os.path.isfile(os.path.join(root, "DONE-train"))
+    os.makedirs(os.path.join(parent, name + ".killed", "json_2.1.1"))  # a SIGKILLed generation's folder
+    with pytest.raises(KeyboardInterrupt):  # valid_unseen is done, then valid_seen is interrupted
+        generator.generated_data_dir(splits=("valid_seen", "valid_unseen"), **kwargs)
+    assert calls == ["train", "valid_unseen", "valid_seen"]
+    assert all(os.path.isfile(os.path.join(root, m)) for m in ("DONE-train", "DONE-valid_unseen", "DONE"))
+    assert not os.path.exists(os.path.join(root, "DONE-valid_seen"))
+    assert not os.path.exists(os.path.join(root, "json_2.1.1", "valid_seen"))
+    assert not os.path.exists(os.path.join(parent, name + ".killed"))  # removed under the lock
+    assert sorted(e for e in os.listdir(parent) if e.startswith(name)) == [name, name + ".lock"]  # no temporary left
+    fail.clear()
+    assert generator.generated_data_dir(**kwargs) == root and len(calls) == 3  # train and valid_unseen: cached
+    assert generator.generated_data_dir(splits=("valid_seen",), **kwargs) == root and calls[3:] == ["valid_seen"]
+    assert sorted(os.listdir(os.path.join(root, "json_2.1.1"))) == sorted(generator.SPLITS)

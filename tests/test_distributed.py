@@ -301,8 +301,8 @@ def test_fsdp2_with_gradient_checkpointing_matches_one_process_without_it(tiny_p
 
 
 def _trainer_worker(run_dir: str) -> dict:
-    """The Trainer itself under torchrun: bf16 compute, a KL reference, micro-batches, one iteration;
-    what it holds (its history on rank 0)."""
+    """The Trainer itself under torchrun: bf16 compute, a KL reference (in the loss and in the reward),
+    micro-batches, ReMax's greedy baseline episodes, one iteration; what it holds (its history on rank 0)."""
     from torch.distributed.tensor import DTensor
 
     from torchrl_agent.trainers import Trainer
@@ -312,8 +312,10 @@ def _trainer_worker(run_dir: str) -> dict:
     cfg = compose_config(["experiment=smoke", "env.num_groups=2", "env.group_size=2", "env.eval_episodes=2", "env.max_steps=2",
                           "rollout.max_new_tokens=6", "progress=false", "eval_every=0", "iterations=1", "warm_start.steps=0",
                           "model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.micro_batch_tokens=64",
-                          "algorithm.minibatch_size=4", "device=cpu", f"run_dir={run_dir}"])
+                          "algorithm.minibatch_size=4", "algorithm.name=remax", "algorithm.kl_in_reward=true",
+                          "device=cpu", f"run_dir={run_dir}"])
     trainer = Trainer(cfg)
+    baseline = trainer.hooks.baseline.collector
     reference = list(trainer.reference.parameters())
     result = {
         "reference_sharded": all(isinstance(p, DTensor) for p in reference),
@@ -323,9 +325,11 @@ def _trainer_worker(run_dir: str) -> dict:
         "master_dtypes": {p.dtype for p in trainer.model.parameters()},
         "rollout_dtypes": ({p.dtype for p in trainer.rollout_model.parameters()}
                            if trainer.rollout_model is not None else None),
+        "baseline": (type(baseline).__name__, getattr(baseline.env, "base_env", baseline.env).num_groups,
+                     baseline.num_groups),
     }
     trainer.train()
-    result.update(history=trainer.history, run_dir=run_dir)
+    result.update(history=trainer.history, run_dir=run_dir, baseline_batches=baseline.batches)
     return result
 
 
@@ -336,7 +340,9 @@ def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weigh
     assert result["master_dtypes"] == {torch.float32} and result["rollout_dtypes"] == {torch.bfloat16}
     record = [h for h in result["history"] if "loss" in h][0]
     assert record["skipped_steps"] == 0 and torch.isfinite(torch.tensor(record["loss"]))
-    assert "loss_kl" in record
+    assert "loss_kl" in record and record["reward_kl_coef"] > 0  # the KL in the loss and in the reward
+    # ReMax's greedy baseline: each rank's engine played its own group of the 2, gathered once
+    assert result["baseline"] == ("DistributedStepCollector", 1, 2) and result["baseline_batches"] == 1
     state = torch.load(os.path.join(result["run_dir"], "checkpoints", "last.pt"), weights_only=False)
     assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
 

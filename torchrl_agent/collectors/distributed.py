@@ -70,6 +70,7 @@ class DistributedStepCollector(BaseCollector):
                  progress: bool = False, tp_size: int = 1):
         super().__init__()
         self.engine, self.engines, self.tp_rank = rollout_rank(tp_size)
+        self.tp_size = tp_size
         groups, offset = self.groups_of(num_groups, tp_size)
         have = getattr(env, "num_groups", None) or env.base_env.num_groups
         if have != groups:

@@ -149,9 +149,6 @@ def _check_algorithm(cfg) -> None:
         raise ConfigError(f"algorithm.similarity_threshold={a.similarity_threshold}: must be in (0, 1] or null")
     if a.value_clip is not None and not (math.isfinite(a.value_clip) and a.value_clip > 0):
         raise ConfigError(f"algorithm.value_clip={a.value_clip}: must be > 0 (or null: no value clipping)")
-    if a.kl_in_reward and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("algorithm.kl_in_reward is not supported under torchrun yet (the sharded reference "
-                          "cannot run on rank 0 alone); use it in a single process or use algorithm.kl_coef")
     check = ALGORITHM_REGISTRY[a.name].check
     if check is not None:
         check(cfg)

@@ -36,7 +36,9 @@ test) or ``"valid_seen"`` (in distribution: new games in the training scenes, th
 ``eval_in_distribution``, which the reference recipes here use).
 
 Without ``data_dir`` or ``game_files``, games are generated offline from the scene data shipped in
-the ``alfworld`` wheel (:mod:`torchrl_agent.envs.alfworld.generator`) and cached on disk.
+the ``alfworld`` wheel (:mod:`torchrl_agent.envs.alfworld.generator`) and cached on disk, each split
+the first time an env plays it (``generated_games_per_type`` games per task type; each game is
+checked by playing the expert through the engine, tens of seconds a game on one CPU core).
 
 Modules: ``files`` (task types, data layout, finding games), ``game`` (one game on the engine),
 ``generator`` (offline game generation) and ``env`` (the batched env).

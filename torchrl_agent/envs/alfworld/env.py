@@ -63,7 +63,7 @@ class ALFWorldEnv(TextEnv):
         else:
             if data_dir is None:
                 data_dir = generated_data_dir(games_per_type=generated_games_per_type, task_types=self.task_types,
-                                              cache_dir=cache_dir, splits=("train", "valid_unseen", data_split))
+                                              cache_dir=cache_dir, splits=(data_split,))
             files = find_game_files(os.fspath(data_dir), data_split, self.task_types)
         if not files:
             raise ValueError(f"no ALFWorld game found for split {data_split!r} and task_types {self.task_types}")

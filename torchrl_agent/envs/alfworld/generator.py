@@ -77,7 +77,7 @@ GENERATOR_VERSION = "1"
 #: The data splits the generator writes: train and valid_seen draw from ALFRED's training scenes,
 #: valid_unseen from its held-out scenes.
 SPLITS = ("train", "valid_unseen", "valid_seen")
-#: The splits a generated data root holds from its first use; others are added when asked for.
+#: The splits of :func:`generated_data_dir` by default (an env asks for the one it plays).
 _BASE_SPLITS = ("train", "valid_unseen")
 #: valid_seen's game seeds start here, past any training game's seed (``seed * 1_000_003 + attempt``).
 _SEEN_SEED_OFFSET = 500_000
@@ -416,6 +416,8 @@ def generate_games(
             walkthrough = _expert_walkthrough(game_file, max_expert_steps, game_seed)
             if walkthrough is None:
                 shutil.rmtree(folder)
+                with contextlib.suppress(OSError):  # the task's folder, unless another trial of it is kept
+                    os.rmdir(os.path.dirname(folder))
                 continue
             built["game"].update(solvable=True, walkthrough=walkthrough)
             with open(game_file, "w") as f:
@@ -439,13 +441,16 @@ def generated_data_dir(
     cache_dir: str | os.PathLike | None = None,
     splits: Sequence[str] = _BASE_SPLITS,
 ) -> str:
-    """A data root with generated train and ``valid_unseen`` games (and any other of :data:`SPLITS`
-    in ``splits``, e.g. ``valid_seen``), generated on first use and cached.
+    """A data root holding generated games of every split in ``splits`` (of :data:`SPLITS`),
+    each generated on first use and cached.
 
     The cache folder is ``<cache_dir>/<GENERATOR_VERSION>-alfworld<version>/seed<seed>-n<games_per_type>[-<types>]``
-    (``cache_dir`` defaults to ``~/.cache/torchrl_agent/alfworld_games``); a file lock makes
-    concurrent first uses generate once. An extra split is added to an existing root (its marker
-    file ``DONE-<split>``), leaving the other splits' games as they are.
+    (``cache_dir`` defaults to ``~/.cache/torchrl_agent/alfworld_games``). Each split is generated
+    alone, into a temporary folder moved into place when complete (its marker file ``DONE-<split>``;
+    ``DONE`` once ``train`` and ``valid_unseen`` are both there): a split asked for is added to an
+    existing root, leaving the others as they are, and a generation killed midway keeps the splits
+    it finished (its temporary folder is removed by the next one). A file lock makes concurrent
+    first uses generate once.
     """
     unknown = [sp for sp in splits if sp not in SPLITS]
     if unknown:
@@ -458,41 +463,36 @@ def generated_data_dir(
         name += "-" + "-".join(str(TASK_TYPES.index(t) + 1) for t in task_types)
     root = os.path.join(os.fspath(cache_dir or default_cache_dir()),
                         f"{GENERATOR_VERSION}-alfworld{alfworld_version}", name)
-    extra = [sp for sp in SPLITS if sp in splits and sp not in _BASE_SPLITS]
 
-    def complete() -> bool:
-        return os.path.isfile(os.path.join(root, "DONE")) and all(
-            os.path.isfile(os.path.join(root, f"DONE-{sp}")) for sp in extra)
+    def done(split: str) -> bool:  # "DONE": a root written before splits had markers of their own
+        return os.path.isfile(os.path.join(root, f"DONE-{split}")) or (
+            split in _BASE_SPLITS and os.path.isfile(os.path.join(root, "DONE")))
 
-    if complete():
+    if all(done(sp) for sp in splits):
         return root
-    os.makedirs(os.path.dirname(root), exist_ok=True)
+    parent = os.path.dirname(root)
+    os.makedirs(parent, exist_ok=True)
     with open(root + ".lock", "w") as lock, _locked(lock):
-        if complete():
-            return root
-        todo = list(extra) if os.path.isfile(os.path.join(root, "DONE")) else None  # None: the whole root
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(root) + ".", dir=os.path.dirname(root))
-        try:
-            for split in (_BASE_SPLITS + tuple(extra) if todo is None else todo):
+        # under the lock nobody else generates: a temporary folder left here is a killed generation's
+        for entry in os.listdir(parent):
+            stale = os.path.join(parent, entry)
+            if entry.startswith(os.path.basename(root) + ".") and os.path.isdir(stale):
+                shutil.rmtree(stale, ignore_errors=True)
+        for split in [sp for sp in SPLITS if sp in splits and not done(sp)]:
+            tmp = tempfile.mkdtemp(prefix=os.path.basename(root) + ".", dir=parent)
+            try:
                 generate_games(tmp, split=split, task_types=task_types, games_per_type=games_per_type, seed=seed)
-            if todo is None:
-                for split in extra:
-                    open(os.path.join(tmp, f"DONE-{split}"), "w").close()
-                with open(os.path.join(tmp, "DONE"), "w") as f:
-                    f.write(GENERATOR_VERSION + "\n")
-                if os.path.isdir(root):
-                    shutil.rmtree(root)
-                os.rename(tmp, root)
-            else:
-                for split in todo:
-                    target = os.path.join(root, "json_2.1.1", split)
-                    if os.path.isdir(target):
-                        shutil.rmtree(target)
-                    os.rename(os.path.join(tmp, "json_2.1.1", split), target)
-                    open(os.path.join(root, f"DONE-{split}"), "w").close()
-        finally:
-            if os.path.isdir(tmp):
-                shutil.rmtree(tmp)
+                target = os.path.join(root, "json_2.1.1", split)
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                if os.path.isdir(target):
+                    shutil.rmtree(target)
+                os.rename(os.path.join(tmp, "json_2.1.1", split), target)
+                open(os.path.join(root, f"DONE-{split}"), "w").close()
+                if all(done(sp) for sp in _BASE_SPLITS) and not os.path.isfile(os.path.join(root, "DONE")):
+                    with open(os.path.join(root, "DONE"), "w") as f:
+                        f.write(GENERATOR_VERSION + "\n")
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return root
 
 

@@ -12,7 +12,7 @@ import dataclasses
 import torch
 from tensordict import TensorDictBase
 
-from torchrl_agent.collectors import StepCollector
+from torchrl_agent.collectors import DistributedStepCollector, StepCollector
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.objectives import ReMaxAdvantage
 from torchrl_agent.trainers.algorithms.registry import Algorithm, register_algorithm
@@ -27,14 +27,25 @@ class GreedyBaseline:
 
     A second environment (``group_size`` 1, the greedy policy) is given the training
     environment's seed-generator state before each training collection, so that it draws the
-    same group seeds; they are checked equal after both collections."""
+    same group seeds; they are checked equal after both collections. Under torchrun (the trainer's
+    :class:`~torchrl_agent.collectors.DistributedStepCollector`) each rank's engine plays the greedy
+    episodes of its own groups, as it collects their training episodes, and the baseline rows are
+    gathered like the training rows."""
 
     def __init__(self, cfg, trainer) -> None:
         greedy = copy.copy(trainer.policy)
         greedy.temperature = 0.0
-        one = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, group_size=1))
-        self.env = build_env(one, trainer.tokenizer, policy=greedy)
-        self.collector = StepCollector(self.env, greedy, seed=cfg.seed, lockstep=cfg.rollout.lockstep)
+        env = dataclasses.replace(cfg.env, group_size=1)
+        train = trainer.collector
+        if isinstance(train, DistributedStepCollector):
+            mine, _ = train.groups_of(cfg.env.num_groups, train.tp_size)  # this rank's groups, as for training
+            self.env = build_env(dataclasses.replace(cfg, env=dataclasses.replace(env, num_groups=mine)),
+                                 trainer.tokenizer, policy=greedy)
+            self.collector = DistributedStepCollector(self.env, greedy, num_groups=cfg.env.num_groups, seed=cfg.seed,
+                                                      lockstep=cfg.rollout.lockstep, tp_size=train.tp_size)
+        else:
+            self.env = build_env(dataclasses.replace(cfg, env=env), trainer.tokenizer, policy=greedy)
+            self.collector = StepCollector(self.env, greedy, seed=cfg.seed, lockstep=cfg.rollout.lockstep)
 
     def wrap(self, collector):
         def collect() -> TensorDictBase:
