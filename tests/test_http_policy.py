@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -319,6 +320,8 @@ def test_eval_interrupted_prints_the_finished_chunks(capsys):
     # every answer is an invalid move, so each chunk of 2 episodes x 3 steps takes exactly 6 requests;
     # Ctrl-C arrives with the first request of the second chunk
     srv = _Garbage(interrupt_at=6)
+    # the handler a terminal's `torchrl-agent eval` runs with, whatever an earlier test of this process set
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         args = ["eval", "experiment=smoke", f"eval.endpoint={srv.url}", "env.eval_episodes=4", "env.max_steps=3", "eval.retries=0",
                 "eval.chunk_episodes=2", "progress=false"]
@@ -326,4 +329,5 @@ def test_eval_interrupted_prints_the_finished_chunks(capsys):
         result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert result["interrupted"] is True and result["episodes"] == 2
     finally:
+        signal.signal(signal.SIGINT, previous)
         srv.close()
