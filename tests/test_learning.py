@@ -170,6 +170,33 @@ def test_expert_noise_makes_the_demonstrator_act_at_random_at_that_rate():
     assert 0.3 < disagreement(1.0) < 0.7
 
 
+def test_balanced_warm_start_gives_every_state_every_move_in_each_batch():
+    """warm_start.balanced: each random demonstration step holds every admissible move once, and a
+    mini-batch is made of whole steps, so its move labels are exactly uniform (no move bias)."""
+    from transformers import AutoTokenizer
+
+    from torchrl_agent.models.tiny import build_tiny_model
+    from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.warm_start import batch_indices, expert_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model())
+    cfg = compose_config(["experiment=smoke", "env.num_groups=8", "env.group_size=1", "warm_start.expert_noise=1.0",
+                          "warm_start.think=", "warm_start.balanced=true"])
+    rows = expert_rows(cfg, tokenizer, episodes=16)
+    moves = [re.findall(r"<action>(.*?)</action>", tokenizer.decode(r)) for r in rows["tokens", "response"]]
+    by_state: dict[int, list[str]] = {}
+    for state, move in zip(rows["state"].tolist(), moves):
+        by_state.setdefault(state, []).append(move[0])
+    assert by_state and all(sorted(m) == ["+", "-"] for m in by_state.values())
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        idx = batch_indices(rows, 8, generator)
+        assert len(idx) == 8 and sorted(moves[i][0] for i in idx).count("+") == 4
+        assert all(sorted(rows["state"][idx].tolist()).count(s) == 2 for s in rows["state"][idx].tolist())
+    plain = expert_rows(compose_config(["experiment=smoke", "warm_start.expert_noise=1.0"]), tokenizer, episodes=16)
+    assert plain["state"].tolist() == list(range(plain.batch_size[0]))  # one row per step: drawn row by row
+
+
 def test_numberline_invalid_reward_is_what_a_no_op_returns():
     from torchrl_agent.envs.games.numberline import NumberLineGame
 

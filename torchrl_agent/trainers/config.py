@@ -127,6 +127,7 @@ class WarmStartConfig:
     lr: float = 3e-3
     think: Optional[str] = None  # the expert response's <think> text ({action} filled in; "": empty; None: the format's default)
     expert_noise: float = 0.0  # epsilon: the demonstrator takes a uniformly random admissible action with this probability
+    balanced: bool = False  # a random step's rows hold every admissible move and batches whole states: no move bias
 
 
 @dataclass

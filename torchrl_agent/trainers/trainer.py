@@ -372,7 +372,7 @@ class Trainer:
 
     def warm_start(self) -> dict[str, float]:
         """Supervised steps on expert responses (``<think>..</think><action>expert</action>``)."""
-        from torchrl_agent.trainers.warm_start import expert_rows, supervised_step
+        from torchrl_agent.trainers.warm_start import batch_indices, expert_rows, supervised_step
 
         w = self.cfg.warm_start
         rows = expert_rows(self.cfg, self.tokenizer, episodes=w.episodes)
@@ -380,8 +380,7 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.cfg.seed)
         loss = float("nan")
         for _ in range(w.steps):
-            idx = torch.randint(rows.batch_size[0], (w.batch_size,), generator=generator)
-            loss = supervised_step(self.actor, optimizer, rows[idx.tolist()])
+            loss = supervised_step(self.actor, optimizer, rows[batch_indices(rows, w.batch_size, generator)])
         return {"warm_start_loss": loss, "warm_start_rows": rows.batch_size[0], "warm_start_steps": w.steps}
 
     # ------------------------------------------------------------------ checkpoints

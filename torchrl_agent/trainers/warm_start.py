@@ -10,8 +10,15 @@ from the evaluation panel.
 with probability epsilon, it takes (and the data records) a uniformly random admissible action
 instead of the expert's, and the episode goes on from there. Cloning it gives a policy that reads
 the state (its modal action is the expert's) but errs at a known rate: a deliberately weak
-starting point whose remaining gap only reinforcement learning can close (the learning
-benchmark's warm start).
+starting point whose remaining gap only reinforcement learning can close.
+
+``warm_start.balanced`` (with epsilon 1.0: the learning benchmark's *format-only* warm start)
+replaces the demonstrator's random draw by the distribution it is drawn from: every state's rows
+hold *every* admissible move, and :func:`batch_indices` builds each mini-batch from whole states.
+Each step's target over the moves is then exactly uniform in every state, so the warm-started
+policy ends with no move bias. With sampled moves instead, the last few mini-batches' chance
+imbalance sets a seed-dependent bias (docs/learning.md: p(+) 0.26-0.52 over seeds), which the
+greedy policy turns into a constant move and RL then has to undo before it can learn anything.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from torchrl.envs.utils import step_mdp
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.envs.transforms.projection import expert_response, resolve_format
 
-__all__ = ["expert_response", "expert_rows", "supervised_step"]  # expert_response: the projection's
+__all__ = ["batch_indices", "expert_response", "expert_rows", "supervised_step"]  # expert_response: the projection's
 
 WARM_START_SEED_OFFSET = 1_000_003
 
@@ -34,12 +41,16 @@ WARM_START_SEED_OFFSET = 1_000_003
 @torch.no_grad()
 def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
     """Rows ``[N]`` with ragged ``("tokens", "prompt")`` and ``("tokens", "response")`` from
-    expert episodes of the configured environment (steps without an expert action are skipped)."""
+    expert episodes of the configured environment (steps without an expert action are skipped),
+    and ``"state"`` (int64): the index of the demonstration step a row belongs to (rows of one
+    state share it; more than one row per state with ``warm_start.balanced``)."""
     env = build_env(dataclasses.replace(cfg, seed=cfg.seed + WARM_START_SEED_OFFSET), tokenizer)
     n = env.batch_size[0]
     noise = cfg.warm_start.expert_noise
     rng = np.random.default_rng(cfg.seed + WARM_START_SEED_OFFSET)
+    balanced = getattr(cfg.warm_start, "balanced", False)
     rows = []
+    state = 0
     eos = tokenizer.eos_token_id
     for _ in range(max(1, episodes // n)):
         td = env.reset()
@@ -49,20 +60,36 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
                 if td["done"][i].item() or not experts[i]:
                     continue
                 admissible = td["admissible_actions"][i].split("\n") if noise > 0 else []
+                targets = [experts[i]]
                 if noise > 0 and admissible != [""] and rng.random() < noise:
                     experts[i] = str(rng.choice(admissible))  # the noisy demonstrator's own choice
-                prompt = td[i]["text", "prompt"]
-                response = tokenizer(expert_response(experts[i], resolve_format(cfg.env.action_format, cfg.env.name),
-                                                     cfg.warm_start.think),
-                                     add_special_tokens=False)["input_ids"] + [eos]
-                rows.append(TensorDict({"tokens": {
-                    "prompt": torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"]),
-                    "response": torch.tensor(response)}}))
+                    targets = admissible if balanced else [experts[i]]  # balanced: the whole uniform draw
+                prompt = torch.tensor(tokenizer(td[i]["text", "prompt"], add_special_tokens=False)["input_ids"])
+                fmt = resolve_format(cfg.env.action_format, cfg.env.name)
+                for target in targets:
+                    response = tokenizer(expert_response(target, fmt, cfg.warm_start.think),
+                                         add_special_tokens=False)["input_ids"] + [eos]
+                    rows.append(TensorDict({"tokens": {"prompt": prompt, "response": torch.tensor(response)},
+                                            "state": torch.tensor(state)}))
+                state += 1
             td["action"] = experts
             td = step_mdp(env.step(td))
     if not rows:
         raise ValueError(f"warm_start: environment {cfg.env.name!r} has no expert actions")
     return lazy_stack(rows)
+
+
+def batch_indices(rows: TensorDictBase, batch_size: int, generator: torch.Generator) -> list[int]:
+    """One warm-start mini-batch: ``batch_size`` rows drawn uniformly, or, when a state has more
+    than one row (``warm_start.balanced``), whole states drawn uniformly until the batch holds at
+    least ``batch_size`` rows, so that every state in it carries all of its moves."""
+    state = rows["state"]
+    n_states = int(state.max()) + 1
+    if n_states == rows.batch_size[0]:  # one row per state
+        return torch.randint(rows.batch_size[0], (batch_size,), generator=generator).tolist()
+    picked = torch.zeros(n_states, dtype=torch.bool)
+    picked[torch.randperm(n_states, generator=generator)[: max(1, round(batch_size * n_states / len(state)))]] = True
+    return torch.nonzero(picked[state]).reshape(-1).tolist()
 
 
 def supervised_step(actor, optimizer, rows: TensorDictBase) -> float:
