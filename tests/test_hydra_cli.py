@@ -52,7 +52,7 @@ def test_a_broken_run_of_a_sweep_fails_before_any_starts(tmp_path, capsys):
 def test_train_is_the_hydra_app_of_the_shipped_configs(capsys):
     assert main(["train", "--cfg", "job"]) == 0  # Hydra's own flag: the quick start's composed config
     config = yaml.safe_load(capsys.readouterr().out)
-    assert config["model"]["name"] == "tiny-large" and config["iterations"] == 20
+    assert config["model"]["name"] == "tiny-large" and config["iterations"] == 12
 
 
 def test_own_config_folder_composes_on_top_of_the_shipped_ones(tmp_path, capsys):
