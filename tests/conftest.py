@@ -35,3 +35,24 @@ def tiny_model(tiny_path):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(tiny_path).eval()
+
+
+@pytest.fixture(scope="session")
+def torchrun_launch(tiny_path, tmp_path_factory):
+    """The output folder of one 2-process launch, ``python -m torch.distributed.run --standalone
+    --nproc_per_node 2 tests/torchrun_worker.py OUT MODEL`` (gloo on CPU): the FSDP2 steps and the
+    Trainer of tests/test_distributed.py, then the colocated vLLM rollout run of
+    tests/test_distributed_rollout.py, in one process group (the ranks' imports paid once)."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("torchrun")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(Path(__file__).with_name("torchrun_worker.py")), str(out), str(tiny_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

@@ -73,15 +73,14 @@ def single_rows(tiny_path):
     return batches
 
 
-@pytest.mark.parametrize("num_collectors,shards_per_collector", [(2, 1), (1, 3)])
-def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows, num_collectors, shards_per_collector):
-    """(2, 1): two processes of one two-group shard each (the default); (1, 3): one process, three
-    shards (threads) of 2, 1, 1 groups."""
+def test_multiprocess_rows_equal_single_process_rows(tiny_path, single_rows):
+    """Two collector processes of two shards (threads) each, one group per shard: every process and
+    every shard's rows are the single process's (one engine start covers both levels of the split)."""
     env_factory = functools.partial(numberline_env, str(tiny_path))
     rb = ReplayBuffer(storage=LazyStackStorage(1000))
-    with MultiProcessStepCollector(env_factory, engine_kwargs(tiny_path), num_groups=4, num_collectors=num_collectors,
-                                   seed=7, total_batches=2, shards_per_collector=shards_per_collector) as collector:
-        assert [groups for groups, _ in collector.shards] == ([2, 2] if num_collectors == 2 else [2, 1, 1])
+    with MultiProcessStepCollector(env_factory, engine_kwargs(tiny_path), num_groups=4, num_collectors=2,
+                                   seed=7, total_batches=2, shards_per_collector=2) as collector:
+        assert collector.shards == [(1, 0), (1, 1), (1, 2), (1, 3)]  # (groups, first group) of each shard
         batches = list(collector)  # the standard TorchRL loop; ends after total_batches
         assert len(batches) == 2
         collector.update_policy_weights_(perturbed(tiny_path))  # to the engine server, acknowledged

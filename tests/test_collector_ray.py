@@ -1,11 +1,15 @@
-"""The Ray collector on a local two-CPU Ray cluster (the smoke experiment: NumberLine, the tiny
-model, a transformers engine in each actor, or one shared engine over HTTP): the same rows as the single-process StepCollector for
-a seed, before and after a weight update; the standard TorchRL loop; shutdown gives the actors'
-resources back; without Ray, a clear ImportError."""
+"""The Ray collector on a local two-CPU Ray cluster, one for the module (the smoke experiment:
+NumberLine, the tiny model, a transformers engine in each actor, or one shared engine over HTTP):
+the same rows as the single-process StepCollector for a seed, before and after a weight update; the
+standard TorchRL loop; shutdown gives the actors' resources back; an actor killed (SIGKILL) or
+stopped (SIGSTOP) for real is named within seconds; ``torchrl-agent train collector.kind=ray``
+trains on the running cluster; without Ray, a clear ImportError."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,9 +21,10 @@ from torchrl.data import LazyStackStorage, ReplayBuffer
 
 from torchrl_agent.collectors import ConfigEnvFactory, PolicyFactory, RayStepCollector, StepCollector
 from torchrl_agent.models import model_path
-from torchrl_agent.trainers.cli import compose_config
+from torchrl_agent.trainers.cli import compose_config, main
 
 NUM_GROUPS, SEED = 4, 7
+HEARTBEAT_S = 8.0  # an actor answers its heartbeat from a thread of its own (no engine in the way)
 
 
 @pytest.fixture(scope="module")
@@ -187,3 +192,47 @@ def test_without_ray_the_error_names_the_extra(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "ImportError: RayStepCollector needs Ray" in out.stdout
     assert "pip install 'torchrl-agent[ray]'" in out.stdout
+
+
+@pytest.mark.parametrize("signum, expected", [
+    (signal.SIGKILL, r"collector actor 1 \(pid {pid}\) failed"),
+    (signal.SIGSTOP, r"no heartbeat from collector actor 1 \(pid {pid}\), silent for \d+ s"),
+])
+def test_a_killed_or_stopped_actor_is_named_within_seconds(cluster, tiny_path, signum, expected):
+    """The actor's process killed or stopped for real: the next collect raises ``RuntimeError``
+    naming it (a training run then stops with a message; ``resume=auto`` continues it), and shutdown
+    kills the actors and gives their CPUs back: nothing hangs."""
+    from torchrl_agent.collectors import TextEnvFactory
+
+    policy = PolicyFactory("transformers", str(tiny_path), kwargs={"max_new_tokens": 6})
+    collector = RayStepCollector(TextEnvFactory("numberline", str(tiny_path), group_size=2,
+                                                env_kwargs={"max_steps": 2}), policy, num_groups=2,
+                                 num_collectors=2, seed=0, heartbeat_timeout=HEARTBEAT_S)
+    try:
+        collector.collect()
+        pid = ray.get(collector._actors[1].pid.remote())
+        os.kill(pid, signum)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=expected.format(pid=pid)):
+            collector.collect()
+        noticed = time.monotonic() - t0
+    finally:
+        collector.shutdown()
+    stopped = time.monotonic() - t0
+    # generous bounds, far from "forever" (a stopped actor used to be waited for without end)
+    assert noticed < (HEARTBEAT_S + 15 if signum == signal.SIGSTOP else 30), noticed
+    assert stopped - noticed < 40, stopped
+    assert free_cpus() == 2
+
+
+def test_train_with_the_ray_collector(cluster, tmp_path):
+    """``torchrl-agent train collector.kind=ray`` on the running cluster: 2 iterations, both actors'
+    groups, the actors' engines load the first update's weights."""
+    small = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2", "env.group_size=2",
+             "env.eval_episodes=2", "env.max_steps=2", "rollout.max_new_tokens=6", "progress=false", "threads=1"]
+    assert main(["train", *small, "collector.kind=ray", "collector.num_collectors=2", f"run_dir={tmp_path}"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in records if "loss" in r]
+    assert [r["iteration"] for r in trained] == [0, 1] and all(r["episodes"] == 4 for r in trained)
+    assert trained[1]["logprob_diff_max"] < 1e-3  # the actors' engines got the first update's weights
+    assert ray.is_initialized()  # the run used the cluster it found and left it running

@@ -1,16 +1,14 @@
 """FSDP2 data parallelism: 2 CPU processes (gloo, torchrun) take the same clipped-loss steps as one.
 
-The worker half of this file runs under ``torchrun`` (``python -m torch.distributed.run
---standalone --nproc_per_node 2 tests/test_distributed.py OUT MODEL``); the tests compare what it
-writes with the same steps taken in the pytest process without any process group.
+The worker half of this file (``worker``) runs under ``torchrun`` in conftest's ``torchrun_launch``
+(tests/torchrun_worker.py, 2 processes); the tests compare what it writes with the same steps taken
+in the pytest process without any process group.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -103,7 +101,7 @@ def train_steps(model, optimizer=None, *, aggregation="token-mean", micro_batch_
     return out
 
 
-def _worker(out_path: str, model_path: str) -> None:
+def worker(out_path: str, model_path: str) -> None:
     from torch.distributed.tensor import DTensor
     from transformers import AutoModelForCausalLM
 
@@ -154,10 +152,6 @@ def _worker(out_path: str, model_path: str) -> None:
         torch.save(result, out_path)
     else:  # the full states live on rank 0 only
         assert result["state"] == {} and result["reloaded_state"] == {}
-    from torchrl_agent.trainers.distributed import barrier, cleanup
-
-    barrier()
-    cleanup()
 
 
 def test_init_distributed_without_torchrun_is_a_single_process(monkeypatch):
@@ -201,23 +195,10 @@ def test_bad_arguments_are_named(monkeypatch):
         init_distributed("cpu")
 
 
-def _torchrun(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
 @pytest.fixture(scope="module")
-def dist_result(tiny_path, tmp_path_factory):
-    """What the 2 FSDP2 processes wrote (one launch for the tests below, the Trainer's included)."""
-    out = tmp_path_factory.mktemp("fsdp2") / "rank0.pt"
-    _torchrun(str(out), str(tiny_path), timeout=600)
-    return torch.load(out, weights_only=False)
+def dist_result(torchrun_launch):
+    """What the 2 FSDP2 processes wrote (conftest's launch, the Trainer's part included)."""
+    return torch.load(torchrun_launch / "rank0.pt", weights_only=False)
 
 
 def test_fsdp2_on_two_processes_matches_one_process(tiny_path, dist_result):
@@ -345,7 +326,3 @@ def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weigh
     assert result["baseline"] == ("DistributedStepCollector", 1, 2) and result["baseline_batches"] == 1
     state = torch.load(os.path.join(result["run_dir"], "checkpoints", "last.pt"), weights_only=False)
     assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
-
-
-if __name__ == "__main__":  # the torchrun workers
-    _worker(sys.argv[1], sys.argv[2])

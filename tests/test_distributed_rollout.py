@@ -1,18 +1,16 @@
 """Training under torchrun with colocated rollout engines: every rank collects its share of the groups
 with its own vLLM engine, recomputes its share of the log-probs, and loads the weights after each update.
 
-The worker half runs under ``torchrun`` (``python -m torch.distributed.run --standalone
---nproc_per_node 2 tests/test_distributed_rollout.py OUT RUN_DIR``): one launch, one training run of
-2 iterations with the vLLM CPU engine (the tiny model: head size 32, one vLLM CPU supports), then one
-more batch collected after the last weight sync; the tests read what the ranks wrote.
+The worker half (``worker``) runs under ``torchrun`` in conftest's ``torchrun_launch``
+(tests/torchrun_worker.py, 2 processes, after tests/test_distributed.py's worker): one training run
+of 2 iterations with the vLLM CPU engine (the tiny model: head size 32, one vLLM CPU supports), then
+one more batch collected after the last weight sync; the tests read what the ranks wrote.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -47,23 +45,12 @@ def test_split_over_ranks_in_one_process_runs_every_item_in_the_given_passes():
     assert [float(o) for o in out] == [0.0, 1.0, 2.0, 3.0]
 
 
-def _torchrun(*args: str, timeout: int) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           os.path.abspath(__file__), *args]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
-
-
-def _worker(out_dir: str, run_dir: str) -> None:
+def worker(out_dir: str, run_dir: str) -> None:
     from torchrl_agent.collectors import DistributedStepCollector
     from torchrl_agent.modules import ResponseLogProbs, VLLMPolicy
     from torchrl_agent.trainers import Trainer
     from torchrl_agent.trainers.cli import compose_config
-    from torchrl_agent.trainers.distributed import all_gather_object, cleanup, get_rank
+    from torchrl_agent.trainers.distributed import all_gather_object, get_rank
 
     torch.set_num_threads(1)
     cfg = compose_config(["experiment=smoke", "rollout.engine=vllm", "iterations=2", "eval_every=0",
@@ -89,17 +76,15 @@ def _worker(out_dir: str, run_dir: str) -> None:
     result["rows"] = [r.tolist() for r in rows.get(("tokens", "response"), as_list=True)]
     result["traj"] = rows["traj_id"].reshape(-1).tolist()
     result["all_ranks_same_rows"] = len({json.dumps(r) for r in all_gather_object(result["rows"])}) == 1
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"colocated_rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    cleanup()
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("colocated")
-    _torchrun(str(out), str(out / "run"), timeout=900)
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+def run(torchrun_launch):
+    out = torchrun_launch
+    ranks = [json.loads((out / f"colocated_rank{r}.json").read_text()) for r in range(2)]
+    metrics = [json.loads(line) for line in (out / "colocated_run" / "metrics.jsonl").read_text().splitlines()]
     return ranks, metrics
 
 
@@ -126,7 +111,3 @@ def test_torchrun_recomputes_each_row_on_one_rank_and_gathers_the_single_process
     assert shares[0] and shares[1] and not shares[0] & shares[1]  # disjoint, both ranks work
     assert shares[0] | shares[1] == set(range(n))  # complete
     assert all(r["split_vs_whole"] <= 1e-6 for r in ranks)  # gathered = every row on one process
-
-
-if __name__ == "__main__":  # the torchrun workers
-    _worker(sys.argv[1], sys.argv[2])

@@ -12,7 +12,6 @@ import dataclasses
 import torch
 from tensordict import TensorDictBase
 
-from torchrl_agent.collectors import DistributedStepCollector, StepCollector
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.objectives import ReMaxAdvantage
 from torchrl_agent.trainers.algorithms.registry import Algorithm, register_algorithm
@@ -33,6 +32,10 @@ class GreedyBaseline:
     gathered like the training rows."""
 
     def __init__(self, cfg, trainer) -> None:
+        # imported here: the algorithm registry (read by `torchrl-agent config`) stays free of TorchRL's
+        # collectors, which import vLLM where it is installed (seconds per process)
+        from torchrl_agent.collectors import DistributedStepCollector, StepCollector
+
         greedy = copy.copy(trainer.policy)
         greedy.temperature = 0.0
         env = dataclasses.replace(cfg.env, group_size=1)
