@@ -6,9 +6,10 @@ Per task (``torchrl_agent/configs/experiment/learning_<task>.yaml``) and seed, o
 ``env.eval_episodes`` games (the environment's evaluation seeds, disjoint from the training and
 warm-start seeds) every ``eval_every`` iterations, twice: greedily (temperature 0) and sampled at
 ``rollout.eval_temperature``. Point 0 of a curve is the model right after the warm start; the gain
-is final minus point 0, so it is RL's alone. The hyper-parameters were tuned on GRPO and are
-reused unchanged for GiGPO (the only override that differs is ``algorithm=gigpo``); a seed's
-warm start is the same for both methods (same seed, same data, one thread: the same weights).
+is final minus point 0, so it is RL's alone. Both methods run the same hyper-parameters (the
+only override that differs is ``algorithm=``; docs/learning.md says on which runs they were
+chosen); a seed's warm start is the same for both methods (same seed, same data, one thread: the
+same weights).
 
 Also measured per task: the success of a uniformly random *valid* policy (an admissible action
 drawn uniformly every step) on the same panel, and the stall diagnostics of every iteration
@@ -29,7 +30,10 @@ bootstrap interval and a sign-flip permutation p-value (``within_noise`` when th
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
                                   [--markdown docs/learning_results.md]
 
-``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel).
+``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
+JSON in ``--out`` is reused, so an interrupted benchmark resumes; ``--report`` runs nothing and
+summarises the finished runs of the asked tasks, methods and seeds (the missing ones named on
+stderr; the paired comparison covers the seeds both methods finished).
 ``--diagnose TASK`` runs one GRPO seed of TASK and prints the per-iteration diagnostics only
 (overrides after ``--set`` go to the config, e.g. ``--set model.name=tiny warm_start.steps=150``).
 """
@@ -463,6 +467,7 @@ def main() -> None:
                         help="per seed, the warm-started policy's move distribution (no RL), one JSON line each")
     parser.add_argument("--diagnose", default=None, metavar="TASK")
     parser.add_argument("--set", nargs="*", default=[], help="extra config overrides for every run")
+    parser.add_argument("--report", action="store_true", help="run nothing: summarise the finished runs in --out")
     args = parser.parse_args()
     if args.warm_start_moves:
         torch.set_num_threads(1)
@@ -490,6 +495,10 @@ def main() -> None:
                 with open(path) as f:
                     runs.append(json.load(f))
                 jobs.remove((t, m, s))
+    if args.report:
+        for t, m, s in jobs:
+            print(f"not finished: {t} {m} seed {s} (no {t}_{m}_seed{s}.json in {args.out})", file=sys.stderr)
+        jobs = []
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
                                                 max_tasks_per_child=1) as pool:
@@ -501,10 +510,12 @@ def main() -> None:
         result["tasks"][task] = {
             "random_policy_success": random_success[task], "threshold": args.threshold,
             "methods": {m: summarize([r for r in runs if r["task"] == task and r["method"] == m], args.threshold)
-                        for m in args.methods},
+                        for m in args.methods if any(r["task"] == task and r["method"] == m for r in runs)},
         }
         info = result["tasks"][task]
-        first = next(iter(info["methods"].values()))
+        if not info["methods"]:  # --report before any run of this task finished
+            continue
+        first = max(info["methods"].values(), key=lambda m: m["runs"])  # the method with the most seeds
         # the warm start alone (RL iteration 0): the same weights for every method of a seed
         info["warm_start_only"] = {"seeds": first["seeds"], "greedy": first["after_warm_start"],
                                    "sampled": first["after_warm_start_sampled"],

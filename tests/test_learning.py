@@ -106,6 +106,30 @@ def test_paired_comparison_interval_and_permutation_test():
     assert "| gigpo | 3 |" in text and "3 of 3" in text and "GiGPO - GRPO, final greedy, paired over 3 seeds" in text
 
 
+def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_path, monkeypatch, capsys):
+    """--report reads the run JSONs in --out, names the missing runs and runs nothing: GiGPO with
+    3 seeds beside GRPO with 2 is paired over the 2 both finished."""
+    import json
+
+    learning = _learning_module()
+    finals = {("gigpo", 0): 1.0, ("gigpo", 1): 0.9, ("gigpo", 2): 1.0, ("grpo", 0): 0.5, ("grpo", 1): 0.9}
+    for (method, seed), final in finals.items():
+        with open(tmp_path / f"numberline_{method}_seed{seed}.json", "w") as f:
+            json.dump(_fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)]), f)
+    monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes: 0.05)
+    monkeypatch.setattr(sys, "argv", ["learning.py", "--report", "--tasks", "numberline", "--seeds", "0", "1", "2",
+                                      "--out", str(tmp_path), "--plot", str(tmp_path / "curves.png")])
+    learning.main()
+    out, err = capsys.readouterr()
+    info = json.loads(out.strip().splitlines()[-1])["tasks"]["numberline"]
+    assert "not finished: numberline grpo seed 2" in err and "gigpo seed" not in err
+    assert info["methods"]["gigpo"]["finals"] == [1.0, 0.9, 1.0] and info["methods"]["grpo"]["seeds"] == [0, 1]
+    assert info["warm_start_only"]["seeds"] == [0, 1, 2]
+    assert info["gigpo_vs_grpo"]["finals"]["seeds"] == [0, 1]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == sorted(
+        f"numberline_{m}_seed{s}.json" for m, s in finals)  # nothing new was run
+
+
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
     learning = _learning_module()
     for task in learning.TASKS:
@@ -240,14 +264,16 @@ def test_numberline_relative_observation_describes_the_same_state():
 
 def test_kl_reference_is_the_warm_started_policy(tmp_path):
     """With a KL term and a warm start, the frozen reference is the policy after the warm start
-    (what RL starts from), not the untrained model."""
+    (what RL starts from), not the untrained model; the RL optimiser takes ``algorithm.adam_eps``."""
     from torchrl_agent.trainers.cli import compose_config
     from torchrl_agent.trainers.trainer import Trainer
 
     cfg = compose_config(["experiment=smoke", "warm_start.steps=3", "warm_start.episodes=8", "iterations=0",
                           "eval_every=0", "env.eval_episodes=2", "env.num_groups=1", "env.group_size=2",
-                          "algorithm.kl_coef=0.01", "progress=false", f"run_dir={tmp_path}"])
+                          "algorithm.kl_coef=0.01", "algorithm.adam_eps=1e-5", "progress=false",
+                          f"run_dir={tmp_path}"])
     trainer = Trainer(cfg)
+    assert [g["eps"] for g in trainer.optimizer.param_groups] == [1e-5]
     untrained = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
     trainer.train()
     model, reference = trainer.model.state_dict(), trainer.reference.state_dict()

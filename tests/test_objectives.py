@@ -393,7 +393,8 @@ def test_clip_and_clip_higher():
     out = loss(_loss_td([[math.log(1.5)]], [1.0])[0])  # ratio 1.5, A > 0 -> clipped at 1.2
     assert out["loss_objective"].item() == pytest.approx(-1.2)
     assert out["clip_fraction"].item() == 1.0 and set(out.keys()) == {"loss_objective", "clip_fraction",
-                                                                       "ratio_mean", "kl"}
+                                                                       "ratio_mean", "kl", "approx_kl"}
+    assert out["approx_kl"].item() == pytest.approx(0.5 - math.log(1.5), rel=1e-5)  # (r - 1) - log r, r = 1.5
     out = loss(_loss_td([[math.log(0.5)]], [-1.0])[0])  # ratio 0.5, A < 0 -> clipped at 0.8
     assert out["loss_objective"].item() == pytest.approx(0.8)
     out = loss(_loss_td([[math.log(1.1)]], [1.0])[0])  # inside the trust region

@@ -290,3 +290,19 @@ def test_non_finite_gradient_skips_the_step_and_repeated_skips_stop_the_run(tmp_
         trainer.update(poisoned)
     for k, v in trainer.model.state_dict().items():  # no NaN reached the weights
         assert torch.equal(v, trained[k]), k
+
+
+def test_target_kl_stops_the_update_once_the_policy_moved_that_far(tmp_path):
+    """algorithm.target_kl (PPO's early stop): at a large lr over 10 epochs the policy passes the bound
+    within a few steps and the rest of the update is not taken; without it every step is."""
+    from torchrl_agent.trainers import Trainer
+
+    base = [*SMALL, "algorithm.lr=1e-2", "algorithm.epochs=10", "algorithm.minibatch_size=1000", "algorithm.kl_coef=0"]
+    free = Trainer(compose_config([*base, f"run_dir={tmp_path / 'a'}"]))
+    metrics = free.update(free.advantage(free.collector.collect()))
+    assert metrics["update_steps"] == 10 and metrics["update_stopped_early"] == 0.0
+    assert metrics["approx_kl"] > 0.01  # the same update, unbounded, goes past the bound used below
+    bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.target_kl=0.01"]))
+    metrics = bounded.update(bounded.advantage(bounded.collector.collect()))
+    assert 1 <= metrics["update_steps"] < 10 and metrics["update_stopped_early"] == 1.0
+    assert metrics["approx_kl"] <= 0.01  # every step taken started within the bound

@@ -141,8 +141,8 @@ class ClipPolicyLoss(LossModule):
 
     default_keys = _AcceptedKeys
     _loss_mask_key = None
-    out_keys = ["loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "kl", "kl_ref", "entropy",
-                "ratio_mean"]
+    out_keys = ["loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "kl", "approx_kl", "kl_ref",
+                "entropy", "ratio_mean"]
 
     def __init__(
         self,
@@ -287,6 +287,8 @@ class ClipPolicyLoss(LossModule):
             out["clip_fraction"] = clipped.sum().to(log_prob.dtype) / n_tokens
             out["ratio_mean"] = torch.where(mask, ratio, 0.0).sum() / n_tokens
             out["kl"] = torch.where(mask, old_log_prob - log_prob, 0.0).sum() / n_tokens
+            # KL(sampling || current), k3 (>= 0; CleanRL's approx_kl): what algorithm.target_kl bounds
+            out["approx_kl"] = torch.where(mask, kl_estimate(old_log_prob, log_prob, "k3"), 0.0).sum() / n_tokens
 
         if self.kl_coef > 0:
             ref, _ = self._tokens(tensordict, "ref_log_prob")

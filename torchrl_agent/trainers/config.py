@@ -89,9 +89,12 @@ class AlgorithmConfig:
     lr: float = 1e-6
     lr_warmup_ratio: float = 0.0  # linear warm-up from 0 over this fraction of the iterations (verl's lr_warmup_steps_ratio)
     weight_decay: float = 0.01
+    adam_eps: float = 1e-8  # AdamW's epsilon (CleanRL's PPO: 1e-5): a floor under the per-parameter step normaliser
     grad_clip: float = 1.0
     epochs: int = 1
     minibatch_size: int = 256
+    # stop an iteration's update once a mini-batch's KL(sampling policy || current) exceeds this (None: off)
+    target_kl: Optional[float] = None
     # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens
     # (rows x longest prompt+response); their gradients accumulate to exactly the mini-batch's
     micro_batch_tokens: int = 16384

@@ -144,7 +144,8 @@ class Trainer:
         # the algorithm's parts (baseline episodes, critic) and options (dynamic sampling, KL in the
         # reward) around collection and advantages: every rank, on the same gathered rows
         self.hooks = AlgorithmHooks(cfg, self)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
+                                           eps=a.adam_eps)
         # the run directory (run_dir.py): a new folder of its own, or run_dir=, held by a lock
         run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
         self.run_dir = Path(broadcast_object(run_dir))  # rank 0's folder
@@ -278,8 +279,11 @@ class Trainer:
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
         steps = skipped = 0
+        stopped = False  # algorithm.target_kl: the update stopped early
         self.model.train()
         for _ in range(a.epochs):
+            if stopped:
+                break
             order = torch.randperm(n, generator=generator)
             for start in range(0, n, a.minibatch_size):
                 # this rank's rows of the mini-batch (all of them in a single process)
@@ -292,6 +296,11 @@ class Trainer:
                     (weight * total).backward()  # sum over micro-batches (and ranks): the mini-batch's gradient
                     for k, v in [*losses.items(), ("loss", total)]:
                         step[k] = step.get(k, 0.0) + weight * v.detach()
+                # PPO's early stop (SB3's and CleanRL's target_kl): the policy has already moved this far
+                # from the sampling one on this mini-batch's tokens (approx_kl: k3, >= 0); no step
+                if a.target_kl is not None and float(reduce_mean(step["approx_kl"])) > a.target_kl:
+                    stopped = True
+                    break
                 grad_norm, was_skipped = self.optimizer_step()
                 skipped += was_skipped
                 if was_skipped:
@@ -302,7 +311,8 @@ class Trainer:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         self.sync_weights()
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
-        return {**means, **consistency, "skipped_steps": skipped, "weight_sync_s": self.weight_sync_s}
+        return {**means, **consistency, "skipped_steps": skipped, "weight_sync_s": self.weight_sync_s,
+                "update_steps": steps, "update_stopped_early": float(stopped)}
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
