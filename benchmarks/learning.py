@@ -507,10 +507,10 @@ def main() -> None:
             runs.append(f.result())
     result: dict = {"tasks": {}}
     for task in args.tasks:
+        by_method = {m: [r for r in runs if r["task"] == task and r["method"] == m] for m in args.methods}
         result["tasks"][task] = {
             "random_policy_success": random_success[task], "threshold": args.threshold,
-            "methods": {m: summarize([r for r in runs if r["task"] == task and r["method"] == m], args.threshold)
-                        for m in args.methods if any(r["task"] == task and r["method"] == m for r in runs)},
+            "methods": {m: summarize(finished, args.threshold) for m, finished in by_method.items() if finished},
         }
         info = result["tasks"][task]
         if not info["methods"]:  # --report before any run of this task finished
