@@ -306,3 +306,20 @@ def test_target_kl_stops_the_update_once_the_policy_moved_that_far(tmp_path):
     metrics = bounded.update(bounded.advantage(bounded.collector.collect()))
     assert 1 <= metrics["update_steps"] < 10 and metrics["update_stopped_early"] == 1.0
     assert metrics["approx_kl"] <= 0.01  # every step taken started within the bound
+
+
+def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
+    """The recomputed old and reference log-probs are gathered on the CPU (under torchrun), the
+    current ones come from the model's device: the loss's input puts them all on the latter (the
+    first H200 run of benchmarks/gpu_smoke.sh failed on ``cuda:0`` against ``cpu``). No GPU here:
+    the actor's output moved to the ``meta`` device stands for one."""
+    trainer, rows = trainer_and_rows
+    idx = list(range(rows.batch_size[0]))
+    old = trainer.recompute(trainer.model, rows)
+    ref = trainer.reference_log_probs(rows)
+    actor = trainer.actor
+    monkeypatch.setattr(trainer, "actor", lambda td: actor(td).detach().to("meta"))
+    batch = trainer.loss_inputs(rows, idx, old, ref, rows["advantage"].reshape(-1))
+    assert old[0].device.type == "cpu" and ref is not None
+    for key in ("log_prob", "mask", "old_log_prob", "ref_log_prob", "advantage"):
+        assert batch[key].device.type == "meta", key

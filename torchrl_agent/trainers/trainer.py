@@ -222,11 +222,11 @@ class Trainer:
         mask = current["mask"] & active
         batch = TensorDict({
             "log_prob": current["log_prob"], "entropy": current["entropy"], "mask": mask,
-            "old_log_prob": pad_ragged([old[i] for i in idx], width),
+            "old_log_prob": pad_ragged([old[i] for i in idx], width, mask.device),
             "advantage": minibatch_advantage(advantage, idx, width).to(mask.device),
         }, batch_size=[len(idx)])
         if ref is not None:
-            batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width)
+            batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width, mask.device)
         return batch
 
     def optimizer_step(self) -> tuple[float, bool]:
