@@ -37,6 +37,8 @@ SMALL = ["experiment=smoke", "iterations=2", "eval_every=0", "env.num_groups=2",
     ("algorithm.lr=inf", "algorithm.lr=inf: must be finite and > 0"),
     ("algorithm.lr=0", "algorithm.lr"),
     ("algorithm.kl_coef=nan", "algorithm.kl_coef"),
+    ("algorithm.target_kl=-0.01", "algorithm.target_kl=-0.01: must be finite and > 0"),  # would stop every update
+    ("algorithm.adam_eps=0", "algorithm.adam_eps"),
     ("env.template=hello", "{observation}"),
     ("resume=/nonexistent/last.pt", "resume=/nonexistent/last.pt: no such file"),
     ("model.path=/nonexistent", "model.path=/nonexistent: no such folder"),

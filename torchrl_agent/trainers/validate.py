@@ -41,7 +41,8 @@ _AT_LEAST = {
     "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
 }
 # finite and > 0
-_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s")
+_POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
+             "algorithm.target_kl", "algorithm.adam_eps")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
