@@ -88,6 +88,10 @@ class AlgorithmConfig:
     entropy_coef: float = 0.001
     lr: float = 1e-6
     lr_warmup_ratio: float = 0.0  # linear warm-up from 0 over this fraction of the iterations (verl's lr_warmup_steps_ratio)
+    # after the warm-up: constant, or a cosine decay to min_lr_ratio * lr at the last iteration
+    # (verl's actor.optim.lr_scheduler_type constant | cosine and its min_lr_ratio)
+    lr_schedule: str = "constant"
+    min_lr_ratio: float = 0.0
     weight_decay: float = 0.01
     adam_eps: float = 1e-8  # AdamW's epsilon (CleanRL's PPO: 1e-5): a floor under the per-parameter step normaliser
     grad_clip: float = 1.0

@@ -31,6 +31,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import math
 import random
 import time
 from pathlib import Path
@@ -255,12 +256,23 @@ class Trainer:
                 f"algorithm.entropy_coef={a.entropy_coef:g} too large, or non-finite advantages/rewards")
         return float(grad_norm), True
 
-    def warmup_lr(self) -> float:
-        """The learning rate of this iteration: ``algorithm.lr`` after a linear warm-up over the first
-        ``lr_warmup_ratio * iterations`` iterations, from 0 (verl's constant schedule with warm-up)."""
+    def scheduled_lr(self) -> float:
+        """The learning rate of this iteration ``i`` of ``n``: a linear warm-up from 0 over the first
+        ``w = int(lr_warmup_ratio * n)`` iterations, then ``algorithm.lr_schedule`` (verl's two):
+
+        - ``constant``: ``lr``;
+        - ``cosine``: ``lr * (m + (1 - m) * (1 + cos(pi * (i - w) / (n - 1 - w))) / 2)``, from ``lr`` after
+          the warm-up to ``m * lr`` at the last iteration (``m = algorithm.min_lr_ratio``).
+        """
         a = self.cfg.algorithm
-        warmup = int(a.lr_warmup_ratio * self.cfg.iterations)
-        return a.lr * min(1.0, self.iteration / warmup) if warmup > 0 else a.lr
+        n, i = self.cfg.iterations, self.iteration
+        warmup = int(a.lr_warmup_ratio * n)
+        if i < warmup:
+            return a.lr * i / warmup
+        if a.lr_schedule == "constant":
+            return a.lr
+        progress = min(1.0, (i - warmup) / max(1, n - 1 - warmup))
+        return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def update(self, rows: TensorDictBase) -> dict[str, float]:
         """Epochs of clipped-loss mini-batch steps over the rows; returns averaged loss metrics.
@@ -271,7 +283,7 @@ class Trainer:
         a = self.cfg.algorithm
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
-            group["lr"] = self.warmup_lr()
+            group["lr"] = self.scheduled_lr()
         self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
         old, ref = self.recompute_log_probs(rows)
         consistency = self.logprob_consistency(rows, old)
@@ -311,7 +323,8 @@ class Trainer:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         self.sync_weights()
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
-        return {**means, **consistency, "skipped_steps": skipped, "weight_sync_s": self.weight_sync_s,
+        return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
+                "weight_sync_s": self.weight_sync_s,
                 "update_steps": steps, "update_stopped_early": float(stopped)}
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:

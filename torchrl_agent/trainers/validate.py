@@ -55,6 +55,7 @@ _CHOICES = {
     "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
     "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
     "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
+    "algorithm.lr_schedule": ("constant", "cosine"),
 }
 
 
@@ -87,7 +88,8 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     gpu_fraction = _get(cfg, "rollout.gpu_memory_utilization")
     if gpu_fraction is not None and not (math.isfinite(gpu_fraction) and 0 < gpu_fraction <= 1):
         raise ConfigError(f"rollout.gpu_memory_utilization={gpu_fraction}: must be in (0, 1]")
-    for key in ("algorithm.lr_warmup_ratio", "warm_start.expert_noise", "algorithm.gamma", "algorithm.lmbda"):
+    for key in ("algorithm.lr_warmup_ratio", "algorithm.min_lr_ratio", "warm_start.expert_noise", "algorithm.gamma",
+                "algorithm.lmbda"):
         value = _get(cfg, key)
         if value is not None and not 0 <= value <= 1:
             raise ConfigError(f"{key}={value}: must be in [0, 1]")
