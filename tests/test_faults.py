@@ -50,9 +50,18 @@ def test_bad_values_fail_at_start_naming_the_key(override, needle, capsys):
     assert "invalid config" in err and needle in err, err
 
 
+@pytest.mark.parametrize("memory", [["memory=window"], ["memory=summary"]])
+def test_a_memory_without_a_history_slot_in_the_template_fails_at_start(memory, capsys):
+    assert main(["train", "experiment=learning_babyai", *memory]) == 2
+    err = capsys.readouterr().err
+    assert "memory.kind=" in err and "env.template='babyai_short' has no {history} slot" in err, err
+
+
 def test_a_template_with_the_placeholder_is_accepted():
-    cfg = compose_config(["experiment=smoke", "env.template='State: {observation}. Act.'"])
+    cfg = compose_config(["experiment=smoke", "env.template='State: {observation}. Act.'", "memory=none"])
     assert cfg.env.template == "State: {observation}. Act."
+    cfg = compose_config(["experiment=smoke", "env.template='{history} State: {observation}. Act.'"])  # window memory
+    assert cfg.memory.kind == "window"
 
 
 # ----------------------------------------------------------------------------------- long prompts

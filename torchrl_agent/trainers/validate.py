@@ -102,6 +102,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     _check_collector(cfg)
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
+    _check_memory_slot(cfg)
     if check_files:
         if cfg.model.path is not None and _looks_like_path(cfg.model.path) and not Path(cfg.model.path).exists():
             raise ConfigError(f"model.path={cfg.model.path}: no such folder")
@@ -160,6 +161,23 @@ def _check_algorithm(cfg) -> None:
 def _looks_like_path(value: str) -> bool:
     """A local path rather than a hub name (``org/name``): absolute, relative or home-based."""
     return value.startswith(("/", "./", "../", "~")) or Path(value).exists() or value.count("/") != 1
+
+
+def _check_memory_slot(cfg) -> None:
+    """A window or summary memory fills the template's ``{history}`` slot: without one the model
+    never sees it (the run would be the memoryless one under another name)."""
+    from torchrl_agent.envs.transforms import resolve_template
+
+    m = cfg.memory
+    if m.kind not in ("window", "summary") or (m.kind == "window" and m.k == 0):
+        return
+    try:
+        template = resolve_template(cfg.env.template, cfg.env.name)
+    except ValueError:
+        return  # an unknown reference template: reported where the env is built
+    if isinstance(template, str) and "{history}" not in template:
+        raise ConfigError(f"memory.kind={m.kind}: env.template={cfg.env.template!r} has no {{history}} slot, so the "
+                          "memory would never reach the prompt; use a template with {history}, or memory=none")
 
 
 def _check_template(template) -> None:
