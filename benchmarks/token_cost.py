@@ -1,7 +1,8 @@
 """Prompt-token cost of an episode: the window memory versus the full transcript (and a summary memory).
 
-One 50-step ALFWorld episode on the real TextWorld engine (the real game in ``--data-dir``; its
-expert wins in 16 steps, so the episode is a scripted exploration instead): at each step the action
+One 50-step ALFWorld episode on the real TextWorld engine (the first training game of the data set
+in ``--data-dir`` or ``$ALFWORLD_DATA``, else the first game the env generates offline from the
+alfworld wheel; an expert wins in far fewer steps, so the episode is a scripted exploration instead): at each step the action
 is a seeded random choice among the admissible commands, drawn once and replayed identically under
 every memory. Each step's response is a fixed, realistic ``<think>...</think><action>a</action>``
 text. The env runs in a ``TransformedEnv(Compose(memory, PromptTransform(tok, "alfworld"),
@@ -19,7 +20,7 @@ Prints one JSON object as the LAST line, with ``full_over_window_episode_prompt_
 ``window_step50_over_step1`` and the per-step series ``window_prompt_tokens`` / ``full_prompt_tokens``
 (tiny tokenizer), plus the same for the other tokenizers under ``by_tokenizer``::
 
-    python benchmarks/token_cost.py [--steps 50] [--seed 0] [--data-dir ../shared/data/alfworld] [--no-summary]
+    python benchmarks/token_cost.py [--steps 50] [--seed 0] [--data-dir DIR] [--no-summary]
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import sys
 import tempfile
 import time
 import types
-from pathlib import Path
 
 import numpy as np
 
@@ -48,8 +48,6 @@ from torchrl_agent.envs.transforms import ActionProjection, FullHistory, PromptT
 from torchrl_agent.envs.transforms.summary import SummaryMemory  # noqa: E402
 from torchrl_agent.modules import LLMPolicy, TransformersPolicy  # noqa: E402
 
-DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "alfworld")  # ../shared beside the checkout
-
 
 def response(task: str, action: str) -> str:
     """A fixed, realistic response: a short reasoning, then the action."""
@@ -58,11 +56,14 @@ def response(task: str, action: str) -> str:
             f"<action>{action}</action>")
 
 
-def make_base_env(data_dir: str, steps: int, workdir: str):
-    """The real ALFWorld game (copied to ``workdir``: the shared data is read-only), else Sokoban."""
+def make_base_env(data_dir: str | None, steps: int, workdir: str):
+    """One real ALFWorld game (``data_dir``'s first training game, copied to ``workdir`` because a
+    data set may be read-only; without ``data_dir``, the first generated one), else Sokoban."""
     try:
         from torchrl_agent.envs.alfworld import find_game_files
 
+        if data_dir is None:
+            return make_env("alfworld", max_steps=steps), "alfworld (generated)", "alfworld"
         copy = os.path.join(workdir, "alfworld")
         shutil.copytree(data_dir, copy)
         files = find_game_files(copy, "train")
@@ -136,7 +137,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--data-dir", default=os.environ.get("ALFWORLD_DATA", DEFAULT_DATA))
+    parser.add_argument("--data-dir", default=os.environ.get("ALFWORLD_DATA"),
+                        help="an ALFWorld data set (holding json_2.1.1/); default: a game generated offline")
     parser.add_argument("--no-summary", action="store_true", help="skip the SummaryMemory run")
     parser.add_argument("--tiny-only", action="store_true", help="count with the tiny tokenizer only")
     args = parser.parse_args()

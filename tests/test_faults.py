@@ -50,9 +50,9 @@ def test_bad_values_fail_at_start_naming_the_key(override, needle, capsys):
     assert "invalid config" in err and needle in err, err
 
 
-@pytest.mark.parametrize("memory", [["memory=window"], ["memory=summary"]])
+@pytest.mark.parametrize("memory", [["memory=window"], ["memory=actions"], ["memory=summary"]])
 def test_a_memory_without_a_history_slot_in_the_template_fails_at_start(memory, capsys):
-    assert main(["train", "experiment=learning_babyai", *memory]) == 2
+    assert main(["train", "experiment=learning_babyai", "env.template=babyai_short", *memory]) == 2
     err = capsys.readouterr().err
     assert "memory.kind=" in err and "env.template='babyai_short' has no {history} slot" in err, err
 

@@ -11,6 +11,7 @@ from torchrl.envs.utils import check_env_specs, step_mdp
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
     ActionProjection,
+    ActionWindow,
     FullHistory,
     MemoryTransform,
     NoHistory,
@@ -38,14 +39,16 @@ def rollout(tokenizer, memory, steps=4, **prompt_kwargs):
     return env, prompt, rows, td
 
 
-@pytest.mark.parametrize("memory", [WindowMemory(2), FullHistory(), NoHistory()], ids=["window", "full", "none"])
+@pytest.mark.parametrize("memory", [WindowMemory(2), ActionWindow(2), FullHistory(), NoHistory()],
+                         ids=["window", "actions", "full", "none"])
 def test_env_with_transforms_passes_check_env_specs(tokenizer, memory):
     env = TransformedEnv(make_env("numberline", num_groups=2, group_size=2),
                          Compose(memory, PromptTransform(tokenizer, "numberline"), ActionProjection()))
     check_env_specs(env)
 
 
-@pytest.mark.parametrize("make_memory", [lambda: WindowMemory(2), FullHistory, NoHistory, lambda: WindowMemory(1)])
+@pytest.mark.parametrize("make_memory", [lambda: WindowMemory(2), FullHistory, NoHistory, lambda: WindowMemory(1),
+                                         lambda: ActionWindow(2)])
 def test_replay_reproduces_every_prompt_token_for_token(tokenizer, make_memory):
     _, prompt, rows, _ = rollout(tokenizer, make_memory())
     for row in rows:
@@ -63,6 +66,16 @@ def test_window_memory_keeps_the_last_k_pairs_with_invalid_tail(tokenizer):
     second = json.loads(rows[2]["memory"])["records"]
     assert second[1]["action"] == "oops no tags"  # invalid: the lower-cased tail of the response
     assert "[Step 3]" in td["text", "prompt"][0] and "[Step 1]" not in td["text", "prompt"][0]
+
+
+def test_action_window_shows_the_last_k_actions_without_observations(tokenizer):
+    _, _, rows, td = rollout(tokenizer, ActionWindow(2))
+    assert "Your last" not in rows[0]["text", "prompt"]  # nothing taken yet
+    assert "Your last 1 actions: +\n" in rows[1]["text", "prompt"]
+    prompt = td["text", "prompt"][0]  # after +, (invalid), -, +: the last two, oldest first
+    assert "Your last 2 actions: -, +\n" in prompt and "Observation" not in prompt
+    memory, records = load_memory(td["memory"][0])
+    assert isinstance(memory, ActionWindow) and memory.k == 2 and [r["action"] for r in records] == ["-", "+"]
 
 
 def test_full_history_replays_earlier_responses_as_turns(tokenizer):

@@ -14,6 +14,7 @@ from torchrl.envs import Compose, TransformedEnv
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
     ActionProjection,
+    ActionWindow,
     FullHistory,
     NoHistory,
     PromptTransform,
@@ -32,11 +33,13 @@ def build_memory(cfg, policy=None):
                              summarize_every=cfg.summarize_every)
     if cfg.kind == "window":
         return WindowMemory(cfg.k)
+    if cfg.kind == "actions":
+        return ActionWindow(cfg.k)
     if cfg.kind == "full":
         return FullHistory()
     if cfg.kind == "none":
         return NoHistory()
-    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, full, none or summary")
+    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, actions, full, none or summary")
 
 
 def prompt_budget(cfg, tokenizer) -> int:

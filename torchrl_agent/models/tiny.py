@@ -69,6 +69,9 @@ def cache_dir() -> Path:
 #: Prompt templates added after the ``tiny`` recipe was fixed: in ``tiny-large``'s corpus only (a changed
 #: corpus rebuilds ``tiny`` into another model, and every figure measured on it would move).
 _NOT_IN_TINY = ("numberline_short", "babyai_short")
+#: Templates added after ``tiny-large``'s recipe was fixed: in no corpus (byte-level BPE encodes any
+#: text), so adding one rebuilds neither model and moves no measured figure.
+_NOT_IN_ANY = ("babyai_history",)
 
 
 def tiny_corpus(*, all_templates: bool = False) -> list[str]:
@@ -77,7 +80,8 @@ def tiny_corpus(*, all_templates: bool = False) -> list[str]:
     from torchrl_agent.envs import make_env
     from torchrl_agent.envs.transforms.prompt import PROMPT_TEMPLATES
 
-    texts = [t for name, t in PROMPT_TEMPLATES.items() if all_templates or name not in _NOT_IN_TINY]
+    texts = [t for name, t in PROMPT_TEMPLATES.items()
+             if name not in _NOT_IN_ANY and (all_templates or name not in _NOT_IN_TINY)]
     texts += [
         "<think>The target is larger, so I move right.</think><action>+</action>",
         "<think>The target is smaller, so I move left.</think><action>-</action>",

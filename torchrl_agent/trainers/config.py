@@ -45,8 +45,8 @@ class ModelConfig:
 
 @dataclass
 class MemoryConfig:
-    kind: str = "window"  # window | full | none | summary
-    k: int = 2  # window size (records kept verbatim)
+    kind: str = "window"  # window | actions | full | none | summary
+    k: int = 2  # window size (records kept verbatim; actions: the last k actions)
     max_summary_tokens: int = 128  # summary: length bound of the running summary
     summarize_every: int = 1  # summary: re-summarise every k overflowing steps
     # per-step prompt budget (oldest records dropped first; an episode whose current observation

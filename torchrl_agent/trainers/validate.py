@@ -52,7 +52,7 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
 
 # key -> its valid values
 _CHOICES = {
-    "memory.kind": ("window", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "memory.kind": ("window", "actions", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
     "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
     "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
     "algorithm.lr_schedule": ("constant", "cosine"),
@@ -164,12 +164,12 @@ def _looks_like_path(value: str) -> bool:
 
 
 def _check_memory_slot(cfg) -> None:
-    """A window or summary memory fills the template's ``{history}`` slot: without one the model
-    never sees it (the run would be the memoryless one under another name)."""
+    """A window, actions or summary memory fills the template's ``{history}`` slot: without one the
+    model never sees it (the run would be the memoryless one under another name)."""
     from torchrl_agent.envs.transforms import resolve_template
 
     m = cfg.memory
-    if m.kind not in ("window", "summary") or (m.kind == "window" and m.k == 0):
+    if m.kind not in ("window", "actions", "summary") or (m.kind in ("window", "actions") and m.k == 0):
         return
     try:
         template = resolve_template(cfg.env.template, cfg.env.name)

@@ -3,6 +3,7 @@
 from torchrl_agent.envs.transforms.memory import (
     MEMORY_REGISTRY,
     FullHistory,
+    ActionWindow,
     MemoryTransform,
     NoHistory,
     WindowMemory,
@@ -25,5 +26,5 @@ from torchrl_agent.envs.transforms.templates import (
 )
 
 __all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "REFERENCE_FORMATS", "REFERENCE_TEMPLATES", "ActionProjection",
-           "FullHistory", "MemoryTransform", "NoHistory", "PromptTransform", "ReferenceTemplate", "SummaryMemory",
+           "ActionWindow", "FullHistory", "MemoryTransform", "NoHistory", "PromptTransform", "ReferenceTemplate", "SummaryMemory",
            "WindowMemory", "expert_response", "load_memory", "project_action", "resolve_format", "resolve_template"]

@@ -172,6 +172,19 @@ class WindowMemory(MemoryTransform):
         return f"Your last {len(records)} steps:\n" + "\n".join(lines), []
 
 
+class ActionWindow(WindowMemory):
+    """The last ``k`` actions without their observations: ``"Your last 2 actions: turn left, turn
+    right"``. For an env whose observation already shows what the policy needs, a few tokens let it
+    see what it just did (a memoryless greedy policy can repeat a left/right cycle forever)."""
+
+    kind = "actions"
+
+    def render(self, records):
+        if not records:
+            return "", []
+        return f"Your last {len(records)} actions: " + ", ".join(r["action"] for r in records), []
+
+
 class NoHistory(WindowMemory):
     """No memory at all: each prompt shows the current observation only."""
 

@@ -72,6 +72,13 @@ PROMPT_TEMPLATES: dict[str, str] = {
         "{task}\n"
         "{observation}"
     ),
+    # babyai_short with the memory's lines between the task and the view (a policy that sees its last
+    # move can leave a left/right cycle that a memoryless one repeats; docs/learning.md)
+    "babyai_history": (
+        "{task}\n"
+        "{history}\n"
+        "{observation}"
+    ),
     "ezpoints_short": (
         "Write a formula equal to 12 using each card once, one token at a time, then =.\n"
         "{history}\n"
