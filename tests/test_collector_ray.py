@@ -236,3 +236,17 @@ def test_train_with_the_ray_collector(cluster, tmp_path):
     assert [r["iteration"] for r in trained] == [0, 1] and all(r["episodes"] == 4 for r in trained)
     assert trained[1]["logprob_diff_max"] < 1e-3  # the actors' engines got the first update's weights
     assert ray.is_initialized()  # the run used the cluster it found and left it running
+
+
+def test_closing_a_trainer_gives_its_actors_back(cluster, tmp_path):
+    """``Trainer.close()`` (which every way out of ``train()`` calls, errors and signals included)
+    kills the Ray collector's actors: a job that stopped inside a sweep leaves the cluster free."""
+    from torchrl_agent.trainers.trainer import Trainer
+
+    cfg = compose_config(["experiment=smoke", "env.num_groups=2", "env.group_size=2", "progress=false", "threads=1",
+                          "collector.kind=ray", "collector.num_collectors=2", f"run_dir={tmp_path}"])
+    trainer = Trainer(cfg)
+    assert free_cpus(expected=0, timeout=0) < 2  # the actors hold the cluster's CPUs
+    trainer.close()
+    assert free_cpus() == 2
+    trainer.close()  # idempotent

@@ -462,7 +462,15 @@ class Trainer:
         self.last_checkpoint = Path(path)
 
     def close(self) -> None:
-        """Release the run directory's lock (also done at exit) and the signal handlers."""
+        """Stop a multi-process or Ray collector (its processes / actors: a run that stopped on an
+        error inside a sweep must not leave them to the next job), release the run directory's lock
+        (also done at exit) and the signal handlers. Idempotent."""
+        collector = getattr(self, "collector", None)
+        if collector is not None and self.cfg.collector.kind != "step":
+            try:
+                collector.shutdown(raise_on_error=False)
+            except Exception as err:  # after a fault its processes may be gone already: release the rest
+                logger.warning("collector shutdown: %s: %s", type(err).__name__, err)
         if getattr(self, "lock", None) is not None:
             self.lock.release()
         if getattr(self, "signals", None) is not None:
@@ -578,7 +586,7 @@ class Trainer:
             logger.error("%s", err)
             summary["checkpoint_error"] = str(err)
         if cfg.collector.kind != "step":
-            self.collector.shutdown()  # its processes / actors
+            self.collector.shutdown()  # its processes / actors (close() would too: free them before the evaluation)
         final = {"iteration": cfg.iterations}
         final.update(self.evaluate())
         if not main:
