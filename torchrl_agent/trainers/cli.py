@@ -39,16 +39,27 @@ def config_dir() -> Path:
     return path
 
 
+def _register_schema() -> None:
+    """Store :class:`TrainConfig` as ``train_schema`` in Hydra's ConfigStore, once per process
+    (storing it again warns in Hydra 1.4 and raises in 1.5)."""
+    from hydra.core.config_store import ConfigStore
+
+    from torchrl_agent.trainers.config import TrainConfig
+
+    store = ConfigStore.instance()
+    if "train_schema.yaml" not in store.list("/"):
+        store.store(name="train_schema", node=TrainConfig)
+
+
 def compose_config(overrides: list[str] | None = None):
     """Compose and validate the run config; returns a :class:`TrainConfig` instance."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.config_store import ConfigStore
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
     from torchrl_agent.trainers.config import TrainConfig
 
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    _register_schema()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
         cfg = compose(config_name="config", overrides=list(overrides or []))
@@ -141,9 +152,6 @@ def _train(args: list[str]) -> int:
     run starts)."""
     import hydra
     from hydra._internal.utils import get_args_parser
-    from hydra.core.config_store import ConfigStore
-
-    from torchrl_agent.trainers.config import TrainConfig
 
     parsed = get_args_parser().parse_args(args)
     if not (parsed.help or parsed.hydra_help or parsed.cfg or parsed.info or parsed.shell_completion):
@@ -153,7 +161,7 @@ def _train(args: list[str]) -> int:
         except Exception as err:
             print(f"torchrl-agent: invalid config: {_reason(err)}", file=sys.stderr)
             return 2
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    _register_schema()
     _OUTCOME.clear()
     app = hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)(_train_job)
     argv = sys.argv
