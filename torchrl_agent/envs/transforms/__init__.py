@@ -2,8 +2,8 @@
 
 from torchrl_agent.envs.transforms.memory import (
     MEMORY_REGISTRY,
-    FullHistory,
     ActionWindow,
+    FullHistory,
     MemoryTransform,
     NoHistory,
     WindowMemory,
