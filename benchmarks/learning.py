@@ -57,6 +57,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from torchrl_agent.collectors import StepCollector, episode_metrics  # noqa: E402
+from torchrl_agent.envs.workers import die_with_parent  # noqa: E402
 from torchrl_agent.trainers.cli import compose_config  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
@@ -500,8 +501,9 @@ def main() -> None:
             print(f"not finished: {t} {m} seed {s} (no {t}_{m}_seed{s}.json in {args.out})", file=sys.stderr)
         jobs = []
     ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx,
-                                                max_tasks_per_child=1) as pool:
+    # the runs end with this process, however it ends (a killed benchmark leaves no run behind)
+    with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, max_tasks_per_child=1,
+                                                initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
         futures = [pool.submit(_child, t, m, s, args) for t, m, s in jobs]
         for f in concurrent.futures.as_completed(futures):
             runs.append(f.result())

@@ -293,3 +293,34 @@ def test_warm_start_moves_is_a_distribution_over_the_admissible_moves(tmp_path):
     assert abs(sum(out["move_prob_mean"].values()) - 1.0) < 1e-6
     assert 0.5 <= out["top_move_prob_mean"] <= 1.0 and 0.0 <= out["state_dependence"] <= 1.0
     assert 0.0 < out["valid_mass_mean"] <= 1.0
+
+
+def test_a_killed_benchmark_leaves_no_run_behind(tmp_path):
+    """``kill -9`` of ``learning.py`` ends its runs too (each pool process dies with it): a stopped
+    benchmark does not keep training in the background."""
+    import signal
+    import subprocess
+    import time
+
+    out = tmp_path / "runs"
+    bench = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", "learning.py"), "--tasks", "numberline",
+                              "--methods", "grpo", "--seeds", "0", "1", "--jobs", "2", "--out", str(out)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    runs = [out / "numberline_grpo_seed0", out / "numberline_grpo_seed1"]
+    deadline = time.monotonic() + 240
+    while not all(r.is_dir() for r in runs) and time.monotonic() < deadline and bench.poll() is None:
+        time.sleep(0.5)
+    assert all(r.is_dir() for r in runs), "both runs should have started"
+    children = [int(p) for p in open(f"/proc/{bench.pid}/task/{bench.pid}/children").read().split()]
+    assert len(children) >= 2
+    bench.send_signal(signal.SIGKILL)
+    bench.wait()
+    deadline = time.monotonic() + 20
+    alive = children
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split(")")[-1].split()[0] != "Z"]
+    for pid in alive:  # a failing run of this test does not leave them running either
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"runs left behind: {alive}"
