@@ -1,8 +1,8 @@
 """Prompt-token cost of an episode: the window memory versus the full transcript (and a summary memory).
 
 One 50-step ALFWorld episode on the real TextWorld engine (the first training game of the data set
-in ``--data-dir`` or ``$ALFWORLD_DATA``, else the first game the env generates offline from the
-alfworld wheel; an expert wins in far fewer steps, so the episode is a scripted exploration instead): at each step the action
+in ``--data-dir`` or ``$ALFWORLD_DATA``, else a game the env generates offline from the
+alfworld wheel), played as a scripted exploration rather than a solution: at each step the action
 is a seeded random choice among the admissible commands, drawn once and replayed identically under
 every memory. Each step's response is a fixed, realistic ``<think>...</think><action>a</action>``
 text. The env runs in a ``TransformedEnv(Compose(memory, PromptTransform(tok, "alfworld"),
