@@ -63,6 +63,9 @@ from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
 TASKS = ("numberline", "babyai", "ezpoints", "sokoban")
+# the update's metrics kept in every iteration's diagnostics
+DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "kl_step_halvings",
+             "kl_steps_undone", "update_steps")
 
 
 class LearningTrainer(Trainer):
@@ -109,7 +112,7 @@ class LearningTrainer(Trainer):
         stats = advantage_stats(rows)
         if not self.diagnose:  # the cheap statistics only (no extra forward passes)
             out = super().update(rows)
-            stats.update({k: out[k] for k in ("clip_fraction", "entropy", "grad_norm") if k in out})
+            stats.update({k: out[k] for k in DIAGNOSED if k in out})
             self.diagnostics.append({"iteration": self.iteration, **stats})
             return {**out, **stats}
         old = self.recompute(self.model, rows)  # per-row log-probs of the sampled response tokens
@@ -121,7 +124,7 @@ class LearningTrainer(Trainer):
         new = self.recompute(self.model, rows)
         diff = torch.cat([o - n for o, n in zip(old, new)])
         stats.update(kl_old_new=float(diff.mean()), max_logprob_change=float(diff.abs().max()))
-        stats.update({k: out[k] for k in ("clip_fraction", "entropy", "grad_norm") if k in out})
+        stats.update({k: out[k] for k in DIAGNOSED if k in out})
         self.diagnostics.append({"iteration": self.iteration, **stats})
         return {**out, **stats}
 
@@ -271,7 +274,10 @@ def run_one(task: str, method: str, seed: int, args) -> dict:
            "diagnostics": trainer.diagnostics, "wall_s": round(wall, 1),
            "rl_s_per_iteration": statistics.fmean(iteration_s) if iteration_s else None,
            "warm_start_loss": summary.get("warm_start_loss"),
-           "train_success": [h.get("success") for h in trainer.history if "success" in h]}
+           "train_success": [h.get("success") for h in trainer.history if "success" in h],
+           # how far each update moved the policy, and whether the answers kept their format
+           "approx_kl_max": [h.get("approx_kl_max") for h in trainer.history if "success" in h],
+           "train_action_valid": [h.get("action_valid") for h in trainer.history if "success" in h]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{task}_{method}_seed{seed}.json"), "w") as f:
         json.dump(run, f)
@@ -334,6 +340,13 @@ def summarize(runs: list[dict], threshold: float) -> dict:
         s = [p["sampled"] for r in runs for p in r["panel"] if p["iteration"] == it]
         out["curve"].append({"iteration": it, "greedy_mean": mean_std(g)[0], "greedy_std": mean_std(g)[1],
                              "sampled_mean": mean_std(s)[0], "sampled_std": mean_std(s)[1], "n": len(g)})
+    # the largest per-step approx_kl of any update of any seed, per seed; the lowest training
+    # action_valid after the warm start (runs made before these were recorded: null)
+    kl = [max((k for k in r.get("approx_kl_max", []) if k is not None), default=None) for r in runs]
+    out["approx_kl_max_per_seed"] = kl
+    out["approx_kl_max"] = max((k for k in kl if k is not None), default=None)
+    out["min_train_action_valid_per_seed"] = [min((v for v in r.get("train_action_valid", []) if v is not None),
+                                                  default=None) for r in runs]
     diag = [d for r in runs for d in r["diagnostics"]]
     if diag:
         out["diagnostics_mean"] = {k: statistics.fmean(d[k] for d in diag if k in d)
@@ -400,14 +413,14 @@ def results_markdown(result: dict) -> str:
                   f"{_fmt(info['random_policy_success'], 3)}; warm start only, greedy / T=0.4: "
                   f"{_fmt(ws.get('greedy_mean'))} / {_fmt(ws.get('sampled_mean'))})", "",
                   "| method | seeds | after warm start (greedy) | final greedy, mean ± std | final T=0.4 | "
-                  "RL gain (greedy) | final >= threshold | per-seed final (greedy) |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "RL gain (greedy) | final >= threshold | largest approx_kl of an update | per-seed final (greedy) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for method, m in info["methods"].items():
             lines.append(
                 f"| {method} | {len(m['seeds'])} | {_fmt(m['after_warm_start_mean'])} | "
                 f"{_fmt(m['final_mean'])} ± {_fmt(m['final_std'])} | {_fmt(m['final_mean_sampled'])} | "
                 f"{m['rl_gain_mean']:+.2f} ± {_fmt(m['rl_gain_std'])} | {m['reached_threshold']} of {m['runs']} | "
-                + ", ".join(f"{f:.2f}" for f in m["finals"]) + " |")
+                f"{_fmt(m.get('approx_kl_max'), 3)} | " + ", ".join(f"{f:.2f}" for f in m["finals"]) + " |")
         cmp_ = info.get("gigpo_vs_grpo")
         if cmp_:
             for key, label in (("finals", "greedy"), ("finals_sampled", "T=0.4")):

@@ -81,6 +81,13 @@ def test_summary_counts_final_threshold_and_keeps_per_seed_finals():
     assert m["after_warm_start"] == [0.4, 0.6, 0.5]
     assert m["reached_threshold"] == 2 and m["ever_reached_threshold"] == 3 and m["runs"] == 3
     assert m["reached_threshold_sampled"] == 1
+    # runs recorded before approx_kl_max existed: null, not 0
+    assert m["approx_kl_max"] is None and m["approx_kl_max_per_seed"] == [None, None, None]
+    runs[0]["approx_kl_max"], runs[0]["train_action_valid"] = [0.01, None, 0.3], [0.9, 0.4]
+    runs[1]["approx_kl_max"], runs[1]["train_action_valid"] = [0.02], [1.0]
+    m = learning.summarize(runs, threshold=0.8)
+    assert m["approx_kl_max"] == 0.3 and m["approx_kl_max_per_seed"] == [0.02, None, 0.3]  # seeds 0, 1, 2
+    assert m["min_train_action_valid_per_seed"] == [1.0, None, 0.4]
 
 
 def test_paired_comparison_interval_and_permutation_test():

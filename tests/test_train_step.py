@@ -308,6 +308,32 @@ def test_target_kl_stops_the_update_once_the_policy_moved_that_far(tmp_path):
     assert metrics["approx_kl"] <= 0.01  # every step taken started within the bound
 
 
+def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_path):
+    """algorithm.max_kl (a KL budget per update): at a large lr a single step takes the policy past
+    the budget; with it every kept step is measured after it was taken and ends within the budget
+    (halved or undone), the metrics say so, and approx_kl_max never exceeds it."""
+    from torchrl_agent.trainers import Trainer
+
+    base = [*SMALL, "algorithm.lr=5e-2", "algorithm.epochs=4", "algorithm.minibatch_size=1000", "algorithm.kl_coef=0"]
+    free = Trainer(compose_config([*base, f"run_dir={tmp_path / 'a'}"]))
+    rows = free.advantage(free.collector.collect())
+    metrics = free.update(rows.clone())
+    assert metrics["update_steps"] == 4 and metrics["kl_step_halvings"] == 0
+    assert metrics["approx_kl_max"] > 0.05  # unbounded, the update goes past the budget used below
+    bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.max_kl=0.01"]))
+    before = {k: v.clone() for k, v in bounded.model.state_dict().items()}
+    old = bounded.recompute(bounded.model, rows)  # the sampling policy's log-probs (same weights as `free`'s start)
+    metrics = bounded.update(rows.clone())
+    assert metrics["kl_step_halvings"] >= 1  # the first step alone was over the budget: halved
+    assert metrics["approx_kl_max"] <= 0.01
+    assert metrics["update_steps"] + metrics["kl_steps_undone"] >= 1
+    moved = any(not torch.equal(v, before[k]) for k, v in bounded.model.state_dict().items())
+    assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
+    # measured again from outside: the weights kept are within the budget of the sampling policy
+    assert bounded.minibatch_kl(rows, list(range(rows.batch_size[0])), True, old, None,
+                                rows["advantage"].float()) <= 0.01 + 1e-6
+
+
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
     """The recomputed old and reference log-probs are gathered on the CPU (under torchrun), the
     current ones come from the model's device: the loss's input puts them all on the latter (the

@@ -146,3 +146,35 @@ def test_train_with_the_vllm_engine_syncs_weights_into_it(tmp_path):
         recomputed = ResponseLogProbs(trainer.model, trainer.tokenizer.pad_token_id)(fresh[:6])
     sampled = fresh[:6].get(("log_probs", "response"), as_padded_tensor=True)
     torch.testing.assert_close(recomputed["log_prob"], sampled * recomputed["mask"], atol=2e-3, rtol=0)
+
+
+def test_a_fall_by_more_than_half_in_one_iteration_is_warned_in_one_line(tmp_path, caplog):
+    """The run log warns in one line when ``action_valid`` or training success falls by more than half
+    from one iteration to the next (quoting that update's largest approx_kl); not for a smaller fall,
+    nor from below the floor."""
+    import logging
+
+    from torchrl_agent.trainers.loggers import sharp_fall
+
+    before = {"iteration": 3, "success": 0.8, "action_valid": 0.98, "approx_kl_max": 1.24}
+    line = sharp_fall(before, {"iteration": 4, "success": 0.5, "action_valid": 0.0})
+    assert line.startswith("iteration 4: action_valid 0.98 -> 0.00 after one update")
+    assert "success" not in line.split("after")[0] and "1.24" in line and "\n" not in line
+    assert sharp_fall(before, {"iteration": 4, "success": 0.39, "action_valid": 0.9}).startswith(
+        "iteration 4: success 0.80 -> 0.39")
+    assert sharp_fall({"iteration": 3, "success": 0.05, "action_valid": 0.5},
+                      {"iteration": 4, "success": 0.0, "action_valid": 0.3}) is None  # a small fall; success under the floor
+    assert sharp_fall(None, {"iteration": 0, "success": 0.0}) is None
+
+    from types import SimpleNamespace
+
+    from torchrl_agent.trainers import Trainer
+
+    trainer = SimpleNamespace(history=[], nonfinite_metrics=0)  # what Trainer._log reads of a trainer
+    with open(tmp_path / "m.jsonl", "w") as f, caplog.at_level(logging.WARNING, logger="torchrl_agent"):
+        Trainer._log(trainer, dict(before), None, f)
+        Trainer._log(trainer, {"iteration": 4, "success": 0.7, "action_valid": 0.2}, None, f)
+    falls = [r.getMessage() for r in caplog.records if "after one update" in r.getMessage()]
+    assert falls == ["iteration 4: action_valid 0.98 -> 0.20 after one update (that update's largest approx_kl: "
+                     "1.24): the policy may have left its answer format; algorithm.max_kl bounds how far one "
+                     "update moves it"]

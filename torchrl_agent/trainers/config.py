@@ -99,6 +99,12 @@ class AlgorithmConfig:
     minibatch_size: int = 256
     # stop an iteration's update once a mini-batch's KL(sampling policy || current) exceeds this (None: off)
     target_kl: Optional[float] = None
+    # a KL budget per update (a trust region): after every optimizer step the mini-batch's KL(sampling
+    # policy || current) is measured again; a step that takes it over max_kl is halved, up to
+    # max_kl_backtracks times, then undone and the update stops (None: off). Also stops the update
+    # like target_kl once a mini-batch starts over it.
+    max_kl: Optional[float] = None
+    max_kl_backtracks: int = 5
     # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens
     # (rows x longest prompt+response); their gradients accumulate to exactly the mini-batch's
     micro_batch_tokens: int = 16384

@@ -9,13 +9,35 @@ import logging
 import math
 from pathlib import Path
 
-__all__ = ["CONSOLE_KEYS", "console_line", "finite_record", "init_wandb", "plot_learning_curve", "write_record"]
+__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "console_line", "finite_record", "init_wandb", "plot_learning_curve",
+           "sharp_fall", "write_record"]
 
 logger = logging.getLogger("torchrl_agent")
 
 #: the metrics shown on the console line of an iteration
 CONSOLE_KEYS = ("iteration", "success", "episode_reward", "action_valid", "loss", "tokens_per_s", "eval_success",
                 "iteration_s")
+
+#: training metrics watched for a fall by more than half in one iteration (the answer format lost,
+#: a solved policy thrown off): :func:`sharp_fall`
+FALL_KEYS = ("action_valid", "success")
+
+
+def sharp_fall(previous: dict | None, record: dict, floor: float = 0.1) -> str | None:
+    """One line naming the :data:`FALL_KEYS` that fell by more than half from ``previous`` (the last
+    iteration's record) to ``record``, counting only falls from at least ``floor``; ``None`` if none.
+    The update between the two is ``previous``'s, so the line quotes its ``approx_kl_max``."""
+    if not previous:
+        return None
+    falls = [f"{k} {previous[k]:.2f} -> {record[k]:.2f}" for k in FALL_KEYS
+             if isinstance(previous.get(k), float) and isinstance(record.get(k), float)
+             and previous[k] >= floor and record[k] < previous[k] / 2]
+    if not falls:
+        return None
+    kl = previous.get("approx_kl_max")
+    moved = f" (that update's largest approx_kl: {kl:.3g})" if isinstance(kl, float) else ""
+    return (f"iteration {record['iteration']}: {', '.join(falls)} after one update{moved}: the policy may have "
+            f"left its answer format; algorithm.max_kl bounds how far one update moves it")
 
 
 def finite_record(record: dict) -> tuple[dict, list[str]]:

@@ -83,7 +83,14 @@ from torchrl_agent.trainers.distributed import (
     shard_indices,
     split_over_ranks,
 )
-from torchrl_agent.trainers.loggers import console_line, finite_record, init_wandb, plot_learning_curve, write_record
+from torchrl_agent.trainers.loggers import (
+    console_line,
+    finite_record,
+    init_wandb,
+    plot_learning_curve,
+    sharp_fall,
+    write_record,
+)
 from torchrl_agent.trainers.model_setup import setup_models
 from torchrl_agent.trainers.run_dir import (
     GuardedSink,
@@ -290,8 +297,10 @@ class Trainer:
         advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
-        steps = skipped = 0
-        stopped = False  # algorithm.target_kl: the update stopped early
+        steps = skipped = halvings = undone = 0
+        kl_max = 0.0  # the largest approx_kl measured on the policy this update kept
+        stopped = False  # algorithm.target_kl / max_kl: the update stopped early
+        stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
         self.model.train()
         for _ in range(a.epochs):
             if stopped:
@@ -310,13 +319,24 @@ class Trainer:
                         step[k] = step.get(k, 0.0) + weight * v.detach()
                 # PPO's early stop (SB3's and CleanRL's target_kl): the policy has already moved this far
                 # from the sampling one on this mini-batch's tokens (approx_kl: k3, >= 0); no step
-                if a.target_kl is not None and float(reduce_mean(step["approx_kl"])) > a.target_kl:
+                kl_before = float(reduce_mean(step["approx_kl"]))
+                kl_max = max(kl_max, kl_before)
+                if stop_kl is not None and kl_before > stop_kl:
                     stopped = True
                     break
+                before = None if a.max_kl is None else [p.detach().clone() for p in self.trained_parameters()]
                 grad_norm, was_skipped = self.optimizer_step()
                 skipped += was_skipped
                 if was_skipped:
                     continue
+                if before is not None:  # the KL budget: measured after the step, halved or undone
+                    kl_after, halved = self.limit_step(rows, idx, active, old, ref, advantage, before)
+                    halvings += halved
+                    if kl_after is None:  # undone: the weights are those measured by kl_before
+                        undone += 1
+                        stopped = True
+                        break
+                    kl_max = max(kl_max, kl_after)
                 steps += 1
                 for k, v in step.items():
                     totals[k] = totals.get(k, 0.0) + reduce_mean(v)
@@ -324,8 +344,45 @@ class Trainer:
         self.sync_weights()
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
         return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
-                "weight_sync_s": self.weight_sync_s,
-                "update_steps": steps, "update_stopped_early": float(stopped)}
+                "weight_sync_s": self.weight_sync_s, "approx_kl_max": kl_max, "kl_step_halvings": halvings,
+                "kl_steps_undone": undone, "update_steps": steps, "update_stopped_early": float(stopped)}
+
+    def trained_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimizer steps (LoRA: the adapters only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def minibatch_kl(self, rows: TensorDictBase, idx: list[int], active: bool, old, ref, advantage) -> float:
+        """``approx_kl`` (KL(sampling || current), k3, token mean) of the current policy on this rank's
+        rows ``idx`` of a mini-batch, averaged over the ranks: one forward pass, no gradient."""
+        kl = sum(weight * self.loss(self.loss_inputs(rows, micro, old, ref, advantage, live))["approx_kl"]
+                 for micro, weight, live in self.micro_batches(rows, idx, active))
+        return float(reduce_mean(kl))
+
+    @torch.no_grad()
+    def limit_step(self, rows, idx, active, old, ref, advantage, before: list[torch.Tensor]) -> tuple[float | None, int]:
+        """``algorithm.max_kl``, a KL budget for the whole update (a trust region, as TRPO's line
+        search): after an optimizer step the mini-batch's ``approx_kl`` to the sampling policy is
+        measured again; while it is over ``max_kl`` the step is halved (``theta = (theta + theta_before) / 2``),
+        at most ``max_kl_backtracks`` times; a step still over the budget is undone (the weights
+        ``before`` it; AdamW's moments keep the gradient). Returns ``(approx_kl of the weights kept,
+        halvings)``, the KL ``None`` when the step was undone. Every rank takes the same decisions
+        (the KL is averaged over the ranks)."""
+        a = self.cfg.algorithm
+        params = self.trained_parameters()
+        for halved in range(a.max_kl_backtracks + 1):
+            kl = self.minibatch_kl(rows, idx, active, old, ref, advantage)
+            if kl <= a.max_kl:
+                return kl, halved
+            if halved < a.max_kl_backtracks:
+                for p, b in zip(params, before):
+                    p.add_(b - p, alpha=0.5)
+        for p, b in zip(params, before):
+            p.copy_(b)
+        logger.warning("iteration %d: an optimizer step moved the policy by approx_kl %.3g even at 1/%d of its "
+                       "size (> algorithm.max_kl=%g): undone, the update stops here", self.iteration, kl,
+                       2 ** a.max_kl_backtracks, a.max_kl)
+        return None, a.max_kl_backtracks
 
     def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
@@ -681,6 +738,9 @@ class Trainer:
             self.nonfinite_metrics += len(bad)
             record["nonfinite_metrics"] = len(bad)
             logger.warning("iteration %d: non-finite metrics written as null: %s", record["iteration"], bad)
+        fall = sharp_fall(next((h for h in reversed(self.history) if "success" in h), None), record)
+        if fall:
+            logger.warning("%s", fall)
         self.history.append(record)
         write_record(record, metrics_file, writer, getattr(self, "wandb", None))
         print(console_line(record), flush=True)

@@ -34,7 +34,7 @@ _AT_LEAST = {
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
     "rollout.tensor_parallel_size": 1, "rollout.max_num_seqs": 1, "rollout.max_model_len": 2,
     "algorithm.epochs": 1, "algorithm.minibatch_size": 1, "algorithm.micro_batch_tokens": 1,
-    "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1,
+    "algorithm.logprob_chunk_tokens": 1, "algorithm.max_skipped_steps": 1, "algorithm.max_kl_backtracks": 0,
     "warm_start.steps": 0, "warm_start.episodes": 1, "warm_start.batch_size": 1,
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
@@ -42,7 +42,7 @@ _AT_LEAST = {
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
-             "algorithm.target_kl", "algorithm.adam_eps")
+             "algorithm.target_kl", "algorithm.max_kl", "algorithm.adam_eps")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
