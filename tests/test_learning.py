@@ -331,3 +331,35 @@ def test_a_killed_benchmark_leaves_no_run_behind(tmp_path):
     for pid in alive:  # a failing run of this test does not leave them running either
         os.kill(pid, signal.SIGKILL)
     assert not alive, f"runs left behind: {alive}"
+
+
+def test_update_diagnosis_records_every_step_and_finds_the_moved_tokens(tmp_path):
+    """benchmarks/update_diagnosis.py: one record per optimizer step, with the step's epoch and
+    mini-batch, every row counted once per epoch, a KL per token kind; at a large lr the steps move the
+    policy (the KL is positive) and AdamW moves some weight by at least a tenth of the lr."""
+    spec = importlib.util.spec_from_file_location("update_diagnosis",
+                                                  os.path.join(ROOT, "benchmarks", "update_diagnosis.py"))
+    diag = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diag)
+    from torchrl_agent.trainers.cli import compose_config
+
+    cfg = compose_config(["experiment=smoke", "env.num_groups=2", "env.group_size=2", "env.max_steps=3",
+                          "rollout.max_new_tokens=8", "iterations=1", "eval_every=0", "env.eval_episodes=2",
+                          "algorithm.lr=1e-2", "algorithm.epochs=2", "algorithm.minibatch_size=4",
+                          "progress=false", f"run_dir={tmp_path}"])
+    trainer = diag.DiagnosedTrainer(cfg)
+    rows = trainer.advantage(trainer.collector.collect())
+    metrics = trainer.update(rows)
+    n = rows.batch_size[0]
+    assert len(trainer.steps) == metrics["update_steps"] == 2 * -(-n // 4)
+    assert [s["epoch"] for s in trainer.steps] == [0] * (len(trainer.steps) // 2) + [1] * (len(trainer.steps) // 2)
+    assert sum(s["rows"] for s in trainer.steps) == 2 * n
+    for s in trainer.steps:
+        kinds = [s[f"step_kl_{k}"] for k in ("format", "action", "eos")]
+        assert any(k is not None for k in kinds) and s["tokens"] > 0
+        assert s["update_max_over_lr"] > 0.1 and s["step_kl"] >= 0
+    assert max(s["step_kl"] for s in trainer.steps) > 1e-4
+    first = trainer.steps[0]
+    assert abs(first["approx_kl_before"]) < 1e-5  # the first step starts at the sampling policy
+    assert set(diag.token_kinds(trainer.tokenizer, torch.tensor([trainer.tokenizer.eos_token_id]))) == {"eos"}
+    trainer.close()
