@@ -44,8 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["FORMAT", "CheckpointError", "CheckpointLoadError", "check_model_state", "checksum", "convert",
-           "find_resumable", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
+__all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
+           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
            "write_checkpoint"]
 
 logger = logging.getLogger("torchrl_agent")
@@ -274,6 +274,65 @@ def check_model_state(model_state: dict, expected: dict, path: str | Path, confi
     raise CheckpointLoadError(
         f"checkpoint {path} holds the weights of another model ({len(shape)} tensors of another shape, "
         f"{len(missing)} missing, {len(extra)} unexpected; {first}){trained}: pass the same model as its run")
+
+
+# ----------------------------------------------------------------------------------- the same experiment
+#: config keys (a section stands for all its keys) that make the experiment: ``resume=`` with
+#: another value is refused, unless ``resume_allow_changes`` names the key
+RESUME_IDENTITY = ("env", "model", "memory", "algorithm", "rollout.max_new_tokens", "rollout.temperature", "seed")
+#: keys inside :data:`RESUME_IDENTITY` that may change on resume (how fast, not what is learned);
+#: every key outside it may change too. Each change is listed in the run log.
+RESUME_MAY_CHANGE = ("env.num_workers", "model.gradient_checkpointing", "algorithm.lr", "algorithm.lr_warmup_ratio",
+                     "algorithm.lr_schedule", "algorithm.min_lr_ratio", "algorithm.micro_batch_tokens",
+                     "algorithm.logprob_chunk_tokens", "algorithm.max_skipped_steps")
+_NOT_COMPARED = ("resume", "resume_allow_changes", "run_dir")
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _under(key: str, names) -> bool:
+    """Whether ``key`` is one of ``names`` or inside one of them (``env`` holds ``env.name``)."""
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume_config(saved: dict | None, current: dict, path: str | Path) -> dict[str, tuple]:
+    """Refuse (:class:`CheckpointLoadError`, one line naming the keys) to continue checkpoint
+    ``path``, written with config ``saved``, under ``current`` (both ``dataclasses.asdict`` of a
+    ``TrainConfig``) when a key of :data:`RESUME_IDENTITY` changed (another env, algorithm, model,
+    group layout, memory or seed), except the :data:`RESUME_MAY_CHANGE` ones and those that
+    ``current["resume_allow_changes"]`` names (``all``: every key). Returns ``key -> (saved,
+    current)`` of the changes allowed, and logs them. Keys only one side has (another version's
+    schema) are not compared."""
+    if not saved:
+        logger.warning("resume: checkpoint %s holds no config: whether it is the same experiment is not checked", path)
+        return {}
+    allow = list(current.get("resume_allow_changes") or [])
+    old, new = _flatten(saved), _flatten(current)
+    changed = {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k] and not _under(k, _NOT_COMPARED)}
+    refused = [k for k in changed if _under(k, RESUME_IDENTITY) and not _under(k, RESUME_MAY_CHANGE)
+               and "all" not in allow and not _under(k, allow)]
+    if refused:
+        listed = ", ".join(f"{k} ({_short(changed[k][0])} -> {_short(changed[k][1])})" for k in refused)
+        raise CheckpointLoadError(
+            f"resume: checkpoint {path} is of another experiment: {listed}; continue it with its own values, "
+            f"start a new run_dir, or (experts) pass resume_allow_changes=[{','.join(refused)}]")
+    if changed:
+        logger.info("resume: changed since checkpoint %s: %s", path,
+                       ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()))
+    return changed
 
 
 # ----------------------------------------------------------------------------------- which checkpoint

@@ -243,7 +243,7 @@ def _train_job(cfg) -> int:
 
 def _train_run(cfg) -> tuple[int, dict]:
     """Train one config: (exit code, summary). 2: invalid config, 1: training stopped (diverged, a
-    checkpoint that cannot be written, a full disk), 130/143: stopped by SIGINT/SIGTERM with a
+    checkpoint that cannot be written, a full disk), 130/143/129: stopped by SIGINT/SIGTERM/SIGHUP with a
     checkpoint (continue with ``resume=auto``), 0: done."""
     from omegaconf import OmegaConf
 
@@ -264,7 +264,7 @@ def _train_run(cfg) -> tuple[int, dict]:
     resume = f"continue with resume=auto run_dir={trainer.run_dir}"
     try:
         summary = trainer.train()
-    except RunInterrupted as err:  # SIGINT / SIGTERM: stopped at the end of an iteration, with a checkpoint
+    except RunInterrupted as err:  # SIGINT / SIGTERM / SIGHUP: stopped at the end of an iteration, with a checkpoint
         print(f"torchrl-agent: {err}", file=sys.stderr)
         return err.exit_code, {"run_dir": str(trainer.run_dir), "error": str(err)}
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once

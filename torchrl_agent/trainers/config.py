@@ -188,6 +188,9 @@ class TrainConfig:
     run_dir: Optional[str] = None  # default: runs/<timestamp>
     checkpoint_every: int = 0  # save a checkpoint every k iterations (0: only at the end)
     resume: Optional[str] = None  # a checkpoint to resume from
+    # keys whose change a resume accepts beyond those that may change (lr, iterations, logging...;
+    # checkpointing.RESUME_MAY_CHANGE): e.g. [env.max_steps]; [all]: any (experts: another experiment)
+    resume_allow_changes: list[str] = field(default_factory=list)
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
     device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)

@@ -8,7 +8,7 @@
   created atomically (a link, which fails if the lock exists). A second run on the folder
   (``resume=auto`` while the first still runs) is refused naming the holder; a lock left by a dead
   process of this host (``kill -9``) is taken over with a message. Released on any exit that
-  Python sees (the end of the run, an exception, SIGINT / SIGTERM, ``atexit``).
+  Python sees (the end of the run, an exception, SIGINT / SIGTERM / SIGHUP, ``atexit``).
 - :func:`check_run_dir`: what a run may do with its folder: start (it is new or empty), continue
   (``resume=``), or be refused with a message naming the next step (a used folder without
   ``resume=``; ``resume=auto`` on metrics that no checkpoint covers, whose curve a fresh start
@@ -25,11 +25,12 @@ import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 
-__all__ = ["GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
+__all__ = ["STOP_SIGNALS", "GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -271,9 +272,13 @@ class GuardedSink:
 
 
 # ----------------------------------------------------------------------------------- stop signals
+#: the signals that stop a run at the end of its iteration, with a checkpoint
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
 class RunInterrupted(Exception):
-    """The run stopped on SIGINT / SIGTERM at a safe point, with a checkpoint; ``exit_code`` is
-    ``128 + signal`` (130 for SIGINT, 143 for SIGTERM), the message says how to continue."""
+    """The run stopped on SIGINT / SIGTERM / SIGHUP at a safe point, with a checkpoint; ``exit_code``
+    is ``128 + signal`` (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP), the message says how to
+    continue."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -281,8 +286,8 @@ class RunInterrupted(Exception):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (what a scheduler sends before its kill) ask the run to stop at
-    its next safe point (the end of the current iteration: :attr:`requested` is set; the trainer
+    """SIGINT (Ctrl-C), SIGTERM (what a scheduler sends before its kill) and SIGHUP (the terminal
+    closed, the SSH session dropped) ask the run to stop at its next safe point (the end of the current iteration: :attr:`requested` is set; the trainer
     saves a checkpoint and raises :class:`RunInterrupted`) instead of killing it mid-update. A second
     signal stops at once (``KeyboardInterrupt``). :meth:`install` / :meth:`uninstall` (or a context
     manager): the previous handlers come back after. Outside the main thread (signals cannot be
@@ -293,8 +298,6 @@ class StopSignals:
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        import signal
-
         if self.requested is not None:
             raise KeyboardInterrupt(f"{signal.Signals(signum).name} received twice")
         self.requested = signum
@@ -302,17 +305,14 @@ class StopSignals:
                        "stop now, without one)", signal.Signals(signum).name)
 
     def install(self) -> StopSignals:
-        import signal
         import threading
 
         if threading.current_thread() is threading.main_thread() and not self._previous:
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def uninstall(self) -> None:
-        import signal
-
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -324,8 +324,6 @@ class StopSignals:
 
     def stop_message(self, run_dir: Path, checkpoint: Path | None, iteration: int) -> RunInterrupted:
         """The :class:`RunInterrupted` to raise once the run stopped after ``iteration``."""
-        import signal
-
         name = signal.Signals(self.requested).name
         return RunInterrupted(f"stopped by {name} after iteration {iteration}, checkpoint {checkpoint}; continue "
                               f"with: torchrl-agent train <the same overrides> resume=auto run_dir={run_dir}",

@@ -62,6 +62,7 @@ from torchrl_agent.trainers.builders import (
 from torchrl_agent.trainers.checkpointing import (
     CheckpointError,
     check_model_state,
+    check_resume_config,
     numpy_state,
     plain_numpy_state,
     read_checkpoint,
@@ -151,7 +152,7 @@ class Trainer:
         run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
         self.run_dir = Path(broadcast_object(run_dir))  # rank 0's folder
         self.lock = RunDirLock(self.run_dir).acquire() if is_main_process() else None
-        self.signals = StopSignals()  # SIGINT / SIGTERM: stop at the end of an iteration (train)
+        self.signals = StopSignals()  # SIGINT / SIGTERM / SIGHUP: stop at the end of an iteration (train)
         try:
             self.resume_path = self._check_run_dir()
         except BaseException:
@@ -477,7 +478,7 @@ class Trainer:
             self.signals.uninstall()
 
     def _stop_if_signalled(self) -> None:
-        """After an iteration: if SIGINT / SIGTERM came (to rank 0), every rank saves a checkpoint of
+        """After an iteration: if SIGINT / SIGTERM / SIGHUP came (to rank 0), every rank saves a checkpoint of
         it (unless the periodic one just did) and raises :class:`~torchrl_agent.trainers.run_dir.RunInterrupted`."""
         signum = self.signals.requested if is_main_process() else None
         if is_distributed():
@@ -515,7 +516,7 @@ class Trainer:
         cfg = self.cfg
         main = is_main_process()
         writer = metrics_file = None
-        # SIGINT / SIGTERM stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
+        # SIGINT / SIGTERM / SIGHUP stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
         self.signals.install()
         if main:
             # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
@@ -564,7 +565,7 @@ class Trainer:
                     self._log(record, writer, metrics_file)
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     self._periodic_checkpoint()
-                self._stop_if_signalled()  # SIGINT / SIGTERM: a checkpoint, then RunInterrupted
+                self._stop_if_signalled()  # SIGINT / SIGTERM / SIGHUP: a checkpoint, then RunInterrupted
         except RunInterrupted:
             if main:
                 metrics_file.close()
@@ -623,7 +624,8 @@ class Trainer:
         path = None
         if is_main_process():
             path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
-            if self._resume_state is not None:
+            if self._resume_state is not None:  # the same experiment (one line naming the keys), then the same model
+                check_resume_config(self._resume_state.get("config"), dataclasses.asdict(self.cfg), path)
                 check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
                                   path, self._resume_state.get("config"))
             for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
