@@ -10,7 +10,11 @@ Its entries::
     "iteration"  int    the last finished iteration
     "model", "optimizer", "collector", "algorithm"   state dicts
     "rng"        dict   torch (uint8 tensor), python (tuple), numpy (plain_numpy_state)
-    "history", "evals", "config"   the metrics records, held-out curve and the run's config
+    "evals", "config"   the held-out curve and the run's config
+    "history_records", "history_sha256"   how many metrics records the run had written (its
+                        ``metrics.jsonl``, the history kept once in the run folder) and their digest
+                        (``run_dir.records_digest``); a checkpoint of an earlier version holds the
+                        records themselves, ``"history"``
 
 Written to ``NAME.tmp`` beside ``NAME``, flushed and ``fsync``-ed, then renamed over ``NAME`` and the
 folder ``fsync``-ed: a checkpoint on disk is whole or absent, whatever kills the writer. No fixed
@@ -45,7 +49,7 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
-           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
+           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "prune_checkpoints", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
            "write_checkpoint"]
 
 logger = logging.getLogger("torchrl_agent")
@@ -333,6 +337,28 @@ def check_resume_config(saved: dict | None, current: dict, path: str | Path) -> 
         logger.info("resume: changed since checkpoint %s: %s", path,
                        ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()))
     return changed
+
+
+# ----------------------------------------------------------------------------------- retention
+def prune_checkpoints(folder: str | Path, keep: int, scores: dict[int, float]) -> list[Path]:
+    """Remove the periodic checkpoints (``iteration_N.pt``) of ``folder`` but the newest ``keep``
+    and the best one by ``scores`` (``N -> held-out success of checkpoint N's weights``; ties: the
+    newest). ``last.pt`` and other names are never removed; ``keep <= 0`` removes nothing.
+    Returns the removed paths."""
+    found = sorted((int(m.group(1)), p) for p in Path(folder).glob("iteration_*.pt")
+                   if (m := _ITERATION_NAME.search(p.name)))
+    if keep <= 0 or len(found) <= keep:
+        return []
+    kept = {it for it, _ in found[-keep:]}
+    scored = [(scores[it], it) for it, _ in found if scores.get(it) is not None]
+    if scored:
+        kept.add(max(scored)[1])
+    removed = [p for it, p in found if it not in kept]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    if removed:
+        logger.info("checkpoint_keep=%d: removed %s", keep, ", ".join(p.name for p in removed))
+    return removed
 
 
 # ----------------------------------------------------------------------------------- which checkpoint

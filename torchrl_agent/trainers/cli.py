@@ -73,7 +73,10 @@ def compose_config(overrides: list[str] | None = None):
 
 def _reason(err: BaseException) -> str:
     """The error's message followed by its causes' (Hydra's "Error merging override iterations=abc"
-    keeps the reason, "could not be converted to Integer", in its cause)."""
+    keeps the reason, "could not be converted to Integer", in its cause), with the credentials of
+    any URL in it replaced by ``***`` (a parse error quotes the override, an endpoint's key with it)."""
+    from torchrl_agent.modules.http_policy import redact_credentials
+
     parts, seen = [], set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -81,7 +84,7 @@ def _reason(err: BaseException) -> str:
         if text and text not in parts and "$VALUE" not in text:  # omegaconf's unformatted copy
             parts.append(text)
         err = err.__cause__ or err.__context__
-    return ": ".join(parts)
+    return redact_credentials(": ".join(parts))
 
 
 def _check_keys(node: dict, schema, prefix: str = "") -> None:

@@ -144,6 +144,9 @@ class EvalConfig:
     checkpoint: Optional[str] = None  # a training checkpoint (.pt) to load into the model
     endpoint: Optional[str] = None  # an OpenAI-compatible server (prompt-only baseline)
     endpoint_model: Optional[str] = None  # the model name sent to the endpoint
+    # endpoint: the environment variable holding its API key (sent as Authorization: Bearer; never
+    # written or printed); unset or empty: no key
+    api_key_env: str = "OPENAI_API_KEY"
     timeout: float = 30.0  # endpoint: seconds per request attempt
     retries: int = 2  # endpoint: attempts after the first (backoff 0.5 s, doubling)
     chunk_episodes: int = 8  # endpoint: panel episodes run per chunk (an interrupt keeps finished chunks)
@@ -187,6 +190,8 @@ class TrainConfig:
     seed: int = 0
     run_dir: Optional[str] = None  # default: runs/<timestamp>
     checkpoint_every: int = 0  # save a checkpoint every k iterations (0: only at the end)
+    # keep the newest k periodic checkpoints and the best held-out one (by eval_success); 0: all
+    checkpoint_keep: int = 0
     resume: Optional[str] = None  # a checkpoint to resume from
     # keys whose change a resume accepts beyond those that may change (lr, iterations, logging...;
     # checkpointing.RESUME_MAY_CHANGE): e.g. [env.max_steps]; [all]: any (experts: another experiment)

@@ -16,6 +16,9 @@
 - :func:`open_metrics`: ``metrics.jsonl`` rewritten from the checkpoint's own records (so the
   lines are exactly the iterations the checkpoint trained, none repeated or skipped after a
   resume) and opened for appending.
+- :func:`checkpoint_history`: those records, read back from the ``metrics.jsonl`` of the
+  checkpoint's run folder (the history is kept there once, not in every checkpoint) and checked
+  against the count and digest (:func:`records_digest`) the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import socket
 import time
 from pathlib import Path
 
-__all__ = ["STOP_SIGNALS", "GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
+__all__ = ["STOP_SIGNALS", "GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "checkpoint_history", "metrics_iterations", "new_run_dir", "open_metrics"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -42,7 +45,11 @@ class RunDirBusyError(ValueError):
 def new_run_dir(root: str | Path = "runs") -> Path:
     """A new, empty folder ``root/<timestamp>[-n]``, created atomically (never one another run has)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"run_dir (default: {root}/ here): {root} cannot be created ({type(err).__name__}: "
+                         f"{err.strerror or err}); pass run_dir= a writable folder") from None
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 10_000):
         path = root / (stamp if n == 1 else f"{stamp}-{n}")
@@ -96,9 +103,13 @@ class RunDirLock:
             return None
 
     def acquire(self) -> RunDirLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f".lock.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.info))
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.info))
+        except OSError as err:  # a read-only or full file system, a file where a folder goes: one line
+            raise ValueError(f"run_dir={self.run_dir}: cannot be written ({type(err).__name__}: {err.strerror or err}); "
+                             "choose another run_dir") from None
         try:
             for _ in range(3):
                 try:
@@ -201,6 +212,58 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoint_every: int) -> t
         f"resume=auto: run_dir={run_dir} holds metrics of iterations {min(done)}..{max(done)} but no checkpoint to "
         f"continue from (checkpoint_every={checkpoint_every}); a new run would overwrite that curve: choose another "
         "run_dir (and set checkpoint_every, e.g. checkpoint_every=1, to be able to resume)")
+
+
+def records_digest(records: list[dict]) -> str:
+    """SHA-256 of ``records`` as the lines of ``metrics.jsonl`` (strict JSON, one per record)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update((json.dumps(record, allow_nan=False) + "\n").encode())
+    return digest.hexdigest()
+
+
+def sync_metrics(run_dir: Path) -> None:
+    """``fsync`` ``RUN_DIR/metrics.jsonl`` (before a checkpoint that relies on its lines is written)."""
+    try:
+        fd = os.open(run_dir / "metrics.jsonl", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_history(path: Path, state: dict) -> list[dict]:
+    """The metrics records checkpoint ``path`` (its ``state``) was written after: its own
+    ``"history"`` (an earlier version's checkpoint), else the lines of ``metrics.jsonl`` of its run
+    folder (``RUN/checkpoints/X.pt`` -> ``RUN``) up to its iteration, checked against the count and
+    digest it holds. A mismatch (lines lost or edited since) is logged and the records found are
+    used: the training state does not depend on them, only the curve and the plot."""
+    if "history" in state:
+        return list(state["history"])
+    path = Path(path)
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    records = []
+    if (run / "metrics.jsonl").exists():
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if isinstance(record, dict) and isinstance(record.get("iteration"), int) \
+                    and record["iteration"] <= state["iteration"]:
+                records.append(record)
+    want = state.get("history_records")
+    if want is not None and (len(records) != want or records_digest(records) != state.get("history_sha256")):
+        logger.warning("resume: %s holds %d metrics records up to iteration %d, not the %d checkpoint %s was written "
+                       "after (lines lost or changed since): the history and the curve go on from what is there",
+                       run / "metrics.jsonl", len(records), state["iteration"], want, path)
+    return records
 
 
 def open_metrics(run_dir: Path, history: list[dict]):
