@@ -210,3 +210,44 @@ def test_group_size_1_with_a_group_relative_algorithm_is_warned_at_start(algorit
 
     build_advantage(compose_config(["experiment=smoke", "env.group_size=1", f"algorithm.name={algorithm}"]))
     assert any("env.group_size=1" in r.getMessage() for r in caplog.records) == warned
+
+
+# ----------------------------------------------------------------------------------- 5. listeners
+_GLOO_PROBE = """
+import json, os, sys, tempfile
+import psutil, torch, torch.distributed as dist
+if sys.argv[1] == "bind":
+    from torchrl_agent.modules.vllm_policy import bind_loopback
+    bind_loopback()
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+group = dist.new_group([0])  # as vLLM's world and CPU groups
+print(json.dumps(sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"})))
+"""
+
+
+def test_a_single_node_engine_listens_on_loopback_whatever_the_host_name_resolves_to():
+    """The engine's torch.distributed (gloo) sockets: with the host name set to this machine's
+    network address (a UTS namespace), gloo alone listens there; after :func:`bind_loopback` (what
+    every single-node vLLM engine runs, the multi-process collector's engine server included) only on
+    loopback."""
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    address = next((a.address for name, addrs in psutil.net_if_addrs().items() if name not in ("lo", "lo0")
+                    for a in addrs if a.family == 2 and not a.address.startswith("127.")), None)
+    if address is None or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+        pytest.skip("needs a network interface and unshare --uts (root)")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    for key in ("GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_LOOPBACK_IP"):
+        env.pop(key, None)
+    seen = {}
+    for mode in ("plain", "bind"):
+        out = subprocess.run(["unshare", "--uts", "sh", "-c", f'hostname {address} && exec "$@"', "sh",
+                              sys.executable, "-c", _GLOO_PROBE, mode], env=env, capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[mode] = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert address in seen["plain"]  # by host-name resolution: the network address
+    assert seen["bind"] and seen["bind"] <= {"127.0.0.1", "::1"}, seen

@@ -631,10 +631,10 @@ class Trainer:
         path = None
         if is_main_process():
             path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
-            if self._resume_state is not None:  # the same experiment (one line naming the keys), then the same model
-                check_resume_config(self._resume_state.get("config"), dataclasses.asdict(self.cfg), path)
+            if self._resume_state is not None:  # the same model, then the same experiment (one line naming the keys)
                 check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
                                   path, self._resume_state.get("config"))
+                check_resume_config(self._resume_state.get("config"), dataclasses.asdict(self.cfg), path)
             for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
                 stale.unlink(missing_ok=True)
         path = broadcast_object(None if path is None else str(path))
