@@ -214,11 +214,8 @@ def test_group_size_1_with_a_group_relative_algorithm_is_warned_at_start(algorit
 
 # ----------------------------------------------------------------------------------- 5. listeners
 _GLOO_PROBE = """
-import json, os, sys, tempfile
+import json, tempfile
 import psutil, torch, torch.distributed as dist
-if sys.argv[1] == "bind":
-    from torchrl_agent.modules.vllm_policy import bind_loopback
-    bind_loopback()
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 dist.all_reduce(torch.ones(1))
 group = dist.new_group([0])  # as vLLM's world and CPU groups
@@ -239,14 +236,16 @@ def test_a_single_node_engine_listens_on_loopback_whatever_the_host_name_resolve
                     for a in addrs if a.family == 2 and not a.address.startswith("127.")), None)
     if address is None or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
         pytest.skip("needs a network interface and unshare --uts (root)")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    for key in ("GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_LOOPBACK_IP"):
-        env.pop(key, None)
+    from torchrl_agent.modules.vllm_policy import bind_loopback
+
+    plain = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_LOOPBACK_IP")}
+    bound = dict(plain)
+    assert bind_loopback(bound) == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
+                                    "GLOO_SOCKET_IFNAME": "lo"}
     seen = {}
-    for mode in ("plain", "bind"):
+    for mode, env in (("plain", plain), ("bind", bound)):
         out = subprocess.run(["unshare", "--uts", "sh", "-c", f'hostname {address} && exec "$@"', "sh",
-                              sys.executable, "-c", _GLOO_PROBE, mode], env=env, capture_output=True, text=True,
-                             timeout=600)
+                              sys.executable, "-c", _GLOO_PROBE], env=env, capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         seen[mode] = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert address in seen["plain"]  # by host-name resolution: the network address

@@ -307,6 +307,22 @@ def _under(key: str, names) -> bool:
     return any(key == n or key.startswith(n + ".") for n in names)
 
 
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def _compared(key: str, old: dict, new: dict) -> bool:
+    """Both configs have ``key``, or one has a value above it (``env.kwargs`` ``{}`` against
+    ``env.kwargs.level``); a key of one schema version only is not compared."""
+    parts = key.split(".")
+    above = {".".join(parts[:i]) for i in range(1, len(parts))}
+    return (key in old and key in new) or bool(above & (old.keys() | new.keys()))
+
+
 def _short(value) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -325,7 +341,9 @@ def check_resume_config(saved: dict | None, current: dict, path: str | Path) -> 
         return {}
     allow = list(current.get("resume_allow_changes") or [])
     old, new = _flatten(saved), _flatten(current)
-    changed = {k: (old[k], new[k]) for k in new if k in old and old[k] != new[k] and not _under(k, _NOT_COMPARED)}
+    changed = {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in {**old, **new}
+               if _compared(k, old, new) and old.get(k, _ABSENT) != new.get(k, _ABSENT) and not _under(k, _NOT_COMPARED)}
+    changed = dict(sorted(changed.items()))
     refused = [k for k in changed if _under(k, RESUME_IDENTITY) and not _under(k, RESUME_MAY_CHANGE)
                and "all" not in allow and not _under(k, allow)]
     if refused:

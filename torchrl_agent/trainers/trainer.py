@@ -156,7 +156,7 @@ class Trainer:
         run_dir = cfg.run_dir or (str(new_run_dir()) if is_main_process() else None)
         self.run_dir = Path(broadcast_object(run_dir))  # rank 0's folder
         self.lock = RunDirLock(self.run_dir).acquire() if is_main_process() else None
-        self.signals = StopSignals()  # SIGINT / SIGTERM / SIGHUP: stop at the end of an iteration (train)
+        self.signals = StopSignals()  # SIGINT / SIGTERM: stop at the end of an iteration (train)
         try:
             self.resume_path = self._check_run_dir()
         except BaseException:
@@ -485,7 +485,7 @@ class Trainer:
             self.signals.uninstall()
 
     def _stop_if_signalled(self) -> None:
-        """After an iteration: if SIGINT / SIGTERM / SIGHUP came (to rank 0), every rank saves a checkpoint of
+        """After an iteration: if SIGINT / SIGTERM came (to rank 0), every rank saves a checkpoint of
         it (unless the periodic one just did) and raises :class:`~torchrl_agent.trainers.run_dir.RunInterrupted`."""
         signum = self.signals.requested if is_main_process() else None
         if is_distributed():
@@ -523,7 +523,7 @@ class Trainer:
         cfg = self.cfg
         main = is_main_process()
         writer = metrics_file = None
-        # SIGINT / SIGTERM / SIGHUP stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
+        # SIGINT / SIGTERM stop the run at the end of an iteration (run_dir.StopSignals; rank 0 decides)
         self.signals.install()
         if main:
             # TensorBoard and W&B are views of metrics.jsonl: their write errors are logged once, never fatal
@@ -572,7 +572,7 @@ class Trainer:
                     self._log(record, writer, metrics_file)
                 if cfg.checkpoint_every and (it + 1) % cfg.checkpoint_every == 0:
                     self._periodic_checkpoint()
-                self._stop_if_signalled()  # SIGINT / SIGTERM / SIGHUP: a checkpoint, then RunInterrupted
+                self._stop_if_signalled()  # SIGINT / SIGTERM: a checkpoint, then RunInterrupted
         except RunInterrupted:
             if main:
                 metrics_file.close()
