@@ -234,7 +234,8 @@ def test_a_single_node_engine_listens_on_loopback_whatever_the_host_name_resolve
     psutil = pytest.importorskip("psutil")
     address = next((a.address for name, addrs in psutil.net_if_addrs().items() if name not in ("lo", "lo0")
                     for a in addrs if a.family == 2 and not a.address.startswith("127.")), None)
-    if address is None or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0:
+    if (address is None or shutil.which("unshare") is None
+            or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0):
         pytest.skip("needs a network interface and unshare --uts (root)")
     from torchrl_agent.modules.vllm_policy import bind_loopback
 
