@@ -308,11 +308,14 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
 
 def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> dict:
     from torchrl_agent.trainers.checkpointing import read_checkpoint
+    from torchrl_agent.trainers.run_dir import checkpoint_history, records_digest
 
     records = _metrics(run)
     its = [r["iteration"] for r in records]
-    history = read_checkpoint(run / "checkpoints" / "last.pt")["history"]
-    consistent = its == list(range(iterations + 1)) and records[:-1] == history
+    state = read_checkpoint(run / "checkpoints" / "last.pt")
+    history = checkpoint_history(run / "checkpoints" / "last.pt", state)  # metrics.jsonl checked against its digest
+    consistent = (its == list(range(iterations + 1)) and records[:-1] == history
+                  and state["history_sha256"] == records_digest(records[:-1]))
     lost = 0
     for r in records[:-1]:
         trained = round(r.get("episodes", 0) * r.get("episode_length", 0)) if "episodes" in r else 0

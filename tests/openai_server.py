@@ -25,6 +25,7 @@ class OpenAIServer:
         self.lock = threading.Lock()
         self.generations = []
         self.requests = []
+        self.headers = []  # each request's HTTP headers (the Authorization an API key arrives in)
         self.fail_next = 0
         server = self
 
@@ -44,6 +45,7 @@ class OpenAIServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.requests.append(body)
+                    server.headers.append(dict(self.headers))
                     if server.fail_next:
                         server.fail_next -= 1
                         return self._send(503, {"error": {"message": "busy"}})

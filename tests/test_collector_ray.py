@@ -20,6 +20,7 @@ import torch
 from torchrl.data import LazyStackStorage, ReplayBuffer
 
 from torchrl_agent.collectors import ConfigEnvFactory, PolicyFactory, RayStepCollector, StepCollector
+from torchrl_agent.collectors.ray import start_local_ray
 from torchrl_agent.models import model_path
 from torchrl_agent.trainers.cli import compose_config, main
 
@@ -43,9 +44,19 @@ def policy_factory(cfg):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, log_to_driver=False)  # as RayStepCollector starts one
     yield
     ray.shutdown()
+
+
+def test_the_cluster_the_project_starts_runs_no_dashboard_and_takes_calls_only_with_its_token(cluster):
+    """Ray's gRPC servers listen on every interface (Ray 2.60 has no loopback-only option): the
+    cluster a collector starts has no dashboard (no web UI, no Jobs API) and token authentication on."""
+    from ray._private import ray_constants
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+
+    assert ray_constants.PROCESS_TYPE_DASHBOARD not in ray._private.worker.global_worker.node.all_processes
+    assert get_authentication_mode() == AuthenticationMode.TOKEN
 
 
 def free_cpus(expected: float = 2, timeout: float = 30.0) -> float:

@@ -188,6 +188,10 @@ def test_faulted_episodes_are_left_out_and_small_groups_dropped(tmp_path):
     assert counts == {"env_faults": 2, "fault_rows_dropped": 4, "fault_groups_dropped": 1}
     kept, counts = trainer._drop_faulted(_rows([0, 0], [0, 1], "worker_fault", faulted=(0, 1)))
     assert kept is None and counts["env_faults"] == 2
+    assert counts["fault_groups_dropped"] == 1  # a group whose every episode faulted is dropped too
+    # group 0 loses all of its episodes, group 1 one of three (normalised over the other two)
+    kept, counts = trainer._drop_faulted(_rows([0, 0, 1, 1, 1], [0, 1, 2, 3, 4], faulted=(0, 1, 3)))
+    assert kept["traj_id"].tolist() == [2, 4] and counts["fault_groups_dropped"] == 1
 
 
 def test_training_with_a_crashing_game_completes_and_counts_the_fault(tmp_path):
@@ -436,25 +440,69 @@ class PoisonedNumberLine(NumberLineGame):
 register_env("poisoned_numberline", lambda **kw: TextEnv(PoisonedNumberLine, **{"max_steps": 3, **kw}))
 
 
+def test_a_non_finite_reward_is_an_env_fault_of_its_episode_in_process_and_in_workers():
+    """A game whose reward is NaN or infinite: its episode ends truncated as an env fault (a worker
+    fault in worker processes), the game's class named, the reward booked as 0; the others go on."""
+    from torchrl_agent.envs.workers import ParallelTextEnv
+
+    PoisonedNumberLine.poisoned = True
+    try:
+        env = TextEnv(PoisonedNumberLine, num_groups=1, group_size=2, max_steps=3)
+        env.reset()
+        out = env.step(TensorDict({"action": ["+", "+"]}, batch_size=[2]))["next"]
+        assert out["env_fault"].all() and out["truncated"].all() and torch.isfinite(out["reward"]).all()
+        assert "PoisonedNumberLine.step returned a non-finite reward nan" in env.fault_log[-1]
+        workers = ParallelTextEnv(lambda **kw: TextEnv(PoisonedNumberLine, **{"max_steps": 3, **kw}),
+                                  num_workers=1, num_groups=1, group_size=2, timeout=20)
+        try:
+            workers.reset()
+            out = workers.step(TensorDict({"action": ["+", "+"]}, batch_size=[2]))["next"]
+            assert out["worker_fault"].all() and torch.isfinite(out["reward"]).all()
+            assert "non-finite reward nan" in workers.fault_log[-1] and workers.num_restarts == 0
+        finally:
+            workers.close()
+    finally:
+        PoisonedNumberLine.poisoned = False
+
+
+def test_training_on_nan_rewards_drops_the_faulted_groups_instead_of_diverging(tmp_path):
+    """Every reward NaN: every episode is an env fault, every group dropped and counted, no update
+    (the run used to skip its steps and stop after three, blaming algorithm.lr)."""
+    PoisonedNumberLine.poisoned = True
+    try:
+        assert main(["train", *SMALL, "env.name=poisoned_numberline", "iterations=3", "algorithm.max_skipped_steps=1",
+                     f"run_dir={tmp_path}"]) == 0
+    finally:
+        PoisonedNumberLine.poisoned = False
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()][:-1]
+    assert [(r["env_faults"], r["fault_groups_dropped"], "loss" in r) for r in records] == [(4, 2, False)] * 3
+
+
 def test_a_diverging_run_stops_with_a_message_and_leaves_the_last_good_checkpoint(tmp_path, capsys):
-    """Rewards turn NaN after the first checkpoint: the gradients are NaN, the steps are skipped, the
-    run stops naming the likely causes, and the checkpoint on disk is the last finite one."""
+    """The advantages turn NaN after the first checkpoint: the gradients are NaN, the steps are
+    skipped, the run stops naming the likely causes, and the checkpoint on disk is the last finite one."""
     import torchrl_agent.trainers.trainer as trainer_module
 
-    original = trainer_module.Trainer.save_checkpoint
+    original, inputs = trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs
+    poisoned = []
 
     def save_then_poison(self, path=None):
         out = original(self, path)
-        PoisonedNumberLine.poisoned = True
+        poisoned.append(True)
         return out
 
-    trainer_module.Trainer.save_checkpoint = save_then_poison
+    def poisoned_inputs(self, *args, **kwargs):
+        batch = inputs(self, *args, **kwargs)
+        if poisoned:
+            batch["advantage"] = batch["advantage"] * float("nan")
+        return batch
+
+    trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs = save_then_poison, poisoned_inputs
     try:
-        code = main(["train", *SMALL, "env.name=poisoned_numberline", "iterations=3", "checkpoint_every=1",
-                     "algorithm.max_skipped_steps=1", f"run_dir={tmp_path}"])
+        code = main(["train", *SMALL, "iterations=3", "checkpoint_every=1", "algorithm.max_skipped_steps=1",
+                     f"run_dir={tmp_path}"])
     finally:
-        trainer_module.Trainer.save_checkpoint = original
-        PoisonedNumberLine.poisoned = False
+        trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs = original, inputs
     assert code == 1
     assert "training diverged" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "checkpoints").glob("*.pt")] == ["iteration_00000.pt"]

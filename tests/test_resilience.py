@@ -96,6 +96,8 @@ def test_an_older_pickled_checkpoint_is_refused_and_converted_when_trusted(finis
     old = {k: v for k, v in state.items() if k not in ("format", "checksum")}
     old["rng"] = {**old["rng"], "numpy": np.random.get_state()}  # the older format: numpy's own tuple
     old["evals"] = [tuple(e) for e in old["evals"]]
+    del old["history_records"], old["history_sha256"]  # the older format held the metrics records themselves
+    old["history"] = [json.loads(x) for x in (finished_run / "metrics.jsonl").read_text().splitlines()][:1]
     torch.save(old, tmp_path / "old.pt")
     with pytest.raises(CheckpointLoadError, match="would run code.*checkpointing convert"):
         read_checkpoint(tmp_path / "old.pt")

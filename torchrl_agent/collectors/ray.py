@@ -30,6 +30,7 @@ project's ``EngineReloadScheme`` for the weights.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -52,9 +53,25 @@ except ImportError as err:
 else:
     _RAY_ERROR = None
 
-__all__ = ["PolicyFactory", "RayStepCollector"]
+__all__ = ["PolicyFactory", "RayStepCollector", "start_local_ray"]
 
 _ENGINES = ("transformers", "vllm", "http")
+logger = logging.getLogger("torchrl_agent")
+
+
+def start_local_ray(**kwargs) -> None:
+    """``ray.init(**kwargs)`` of the local cluster a collector starts when none is running: without
+    the dashboard (``include_dashboard=False``: no web UI, whose Jobs API runs code), and with Ray's
+    token authentication, which Ray 2.60 (the version required) turns on for a cluster that
+    ``ray.init`` starts unless ``RAY_AUTH_MODE`` says otherwise (then a warning). Ray's own gRPC
+    servers (GCS, raylet, workers) listen on every interface whatever is asked (Ray 2.60 has no
+    loopback-only option, and replaces a ``_node_ip_address`` of ``127.0.0.1`` by the node's
+    address): the token guards them (docs/distributed.md)."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        logger.warning("RAY_AUTH_MODE=disabled: the local Ray cluster's ports (every interface) take calls "
+                       "without a token, and Ray's calls carry pickles: unset it, or firewall the ports")
+    ray.init(include_dashboard=False, **kwargs)
+
 _POLL_S = 0.5  # how often a waiting driver checks the actors it waits for
 
 
@@ -168,7 +185,8 @@ class RayStepCollector(ShardedCollector):
     module notes). A TorchRL collector: iterate it, or call :meth:`collect`.
 
     Connects to the running Ray cluster (``ray.init(address="auto")`` beforehand on a multi-node
-    cluster; without a ``ray.init`` call it runs ``ray.init()``, which starts a local one). The
+    cluster; without a ``ray.init`` call it starts a local one, :func:`start_local_ray`: no
+    dashboard, token authentication). The
     package (and the env's data) must be installed on every node.
 
     Args:
@@ -218,7 +236,7 @@ class RayStepCollector(ShardedCollector):
         self._pending: dict[tuple[int, int], list] = {}  # (epoch, batch) -> one object ref per actor
         self._actors: list = []
         if not ray.is_initialized():
-            ray.init()
+            start_local_ray()
         options = {"num_cpus": 1, **(actor_options or {})}
         threads = max(1, int(options["num_cpus"])) if options.get("num_cpus") else None
         actor_class = ray.remote(concurrency_groups={"heartbeat": 1})(_ShardActor).options(**options)

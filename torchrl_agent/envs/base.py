@@ -29,8 +29,8 @@ seeds drawn from the env's generator, evaluation episodes take the odd seeds of 
 A game that is already done ignores further actions: the batch can be stepped as a whole while
 the collector only generates for the games that still run.
 
-Faults: a game whose ``step`` raises (a retrieval server that is down, a crashed simulator) does not
-stop the batch: that game's episode ends ``truncated`` with ``env_fault`` set, the reason is logged
+Faults: a game whose ``step`` raises (a retrieval server that is down, a crashed simulator) or
+returns a non-finite reward (NaN or infinite: :func:`checked_step`) does not stop the batch: that game's episode ends ``truncated`` with ``env_fault`` set, the reason is logged
 and kept in ``fault_log``, and every other game goes on. The trainer leaves faulted episodes out
 of the advantage groups and the loss.
 """
@@ -40,6 +40,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import logging
+import math
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,7 +52,7 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 from torchrl.envs import EnvBase
 
-__all__ = ["TextGame", "GameState", "TextEnv", "clean_text", "stable_hash"]
+__all__ = ["TextGame", "GameState", "TextEnv", "checked_step", "clean_text", "stable_hash"]
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class TextEnv(EnvBase):
                 terminated[i] = True
                 continue
             try:
-                result = self.games[i].step(actions[i])
+                result = checked_step(self.games[i], actions[i])
             except Exception as err:  # the game failed: its episode ends here, the batch goes on
                 self._fault(i, err)
                 fault[i] = truncated[i] = self._done[i] = True
@@ -279,6 +280,20 @@ class TextEnv(EnvBase):
     def running(self) -> torch.Tensor:
         """Bool mask ``[B]`` of the games whose episode is still running."""
         return torch.from_numpy(~self._done)
+
+
+def checked_step(game: TextGame, action: str) -> tuple:
+    """``game.step(action)``; a reward that is not a finite number raises ``ValueError`` naming the
+    game's class, so the episode ends as an env fault (a NaN reward would otherwise reach the
+    advantages and the gradient)."""
+    result = game.step(action)
+    try:
+        finite = math.isfinite(float(result[1]))
+    except (TypeError, ValueError):
+        finite = False
+    if not finite:
+        raise ValueError(f"{type(game).__name__}.step returned a non-finite reward {result[1]!r}")
+    return result
 
 
 def _as_str_list(value, n: int) -> list[str]:

@@ -43,7 +43,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Categorical
 from torchrl.envs import EnvBase
 
-from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list
+from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list, checked_step
 from torchrl_agent.envs.data_files import DataFileError
 from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
 
@@ -114,7 +114,7 @@ def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | 
         out = []
         for i, argument in payload:
             try:
-                result = games[i].reset(argument) if command == "reset" else games[i].step(argument)
+                result = games[i].reset(argument) if command == "reset" else checked_step(games[i], argument)
                 out.append((i, result, None))
             except Exception:
                 out.append((i, None, traceback.format_exc(limit=5)))

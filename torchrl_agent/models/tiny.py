@@ -66,6 +66,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TORCHRL_AGENT_CACHE", Path.home() / ".cache" / "torchrl_agent"))
 
 
+def cache_setting() -> str:
+    """The setting that chose :func:`cache_dir`, for messages: ``TORCHRL_AGENT_CACHE=...`` or ``HOME=...``."""
+    if "TORCHRL_AGENT_CACHE" in os.environ:
+        return f"TORCHRL_AGENT_CACHE={os.environ['TORCHRL_AGENT_CACHE']}"
+    return f"HOME={os.environ.get('HOME', Path.home())} (the cache {cache_dir()})"
+
+
+def writable_cache(folder: Path) -> Path:
+    """``folder`` (under :func:`cache_dir`), created; a ``ValueError`` in one line naming the setting
+    (``TORCHRL_AGENT_CACHE`` or ``HOME``) when it cannot be created or written in."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(dir=folder, prefix=".probe-"))
+    except OSError as err:
+        raise ValueError(f"{cache_setting()}: the cache folder {folder} cannot be written ({type(err).__name__}: "
+                         f"{err.strerror or err}); set TORCHRL_AGENT_CACHE to a writable folder") from None
+    return folder
+
+
 #: Prompt templates added after the ``tiny`` recipe was fixed: in ``tiny-large``'s corpus only (a changed
 #: corpus rebuilds ``tiny`` into another model, and every figure measured on it would move).
 _NOT_IN_TINY = ("numberline_short", "babyai_short")
@@ -167,6 +186,7 @@ def build_tiny_model(seed: int = 0, *, force: bool = False, size: str = "tiny") 
     folder = cache_dir() / "models" / f"{size}-{_recipe_hash(corpus, seed, size)}"
     if folder.is_dir() and (folder / "model.safetensors").exists() and not force:
         return folder
+    writable_cache(folder.parent)  # before the tokenizer is trained: one line naming the setting
 
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM

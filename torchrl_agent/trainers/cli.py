@@ -73,7 +73,10 @@ def compose_config(overrides: list[str] | None = None):
 
 def _reason(err: BaseException) -> str:
     """The error's message followed by its causes' (Hydra's "Error merging override iterations=abc"
-    keeps the reason, "could not be converted to Integer", in its cause)."""
+    keeps the reason, "could not be converted to Integer", in its cause), with the credentials of
+    any URL in it replaced by ``***`` (a parse error quotes the override, an endpoint's key with it)."""
+    from torchrl_agent.modules.http_policy import redact_credentials
+
     parts, seen = [], set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
@@ -81,7 +84,7 @@ def _reason(err: BaseException) -> str:
         if text and text not in parts and "$VALUE" not in text:  # omegaconf's unformatted copy
             parts.append(text)
         err = err.__cause__ or err.__context__
-    return ": ".join(parts)
+    return redact_credentials(": ".join(parts))
 
 
 def _check_keys(node: dict, schema, prefix: str = "") -> None:
@@ -243,7 +246,7 @@ def _train_job(cfg) -> int:
 
 def _train_run(cfg) -> tuple[int, dict]:
     """Train one config: (exit code, summary). 2: invalid config, 1: training stopped (diverged, a
-    checkpoint that cannot be written, a full disk), 130/143: stopped by SIGINT/SIGTERM with a
+    checkpoint that cannot be written, a full disk), 130/143/129: stopped by SIGINT/SIGTERM/SIGHUP with a
     checkpoint (continue with ``resume=auto``), 0: done."""
     from omegaconf import OmegaConf
 
@@ -264,7 +267,7 @@ def _train_run(cfg) -> tuple[int, dict]:
     resume = f"continue with resume=auto run_dir={trainer.run_dir}"
     try:
         summary = trainer.train()
-    except RunInterrupted as err:  # SIGINT / SIGTERM: stopped at the end of an iteration, with a checkpoint
+    except RunInterrupted as err:  # SIGINT / SIGTERM / SIGHUP: stopped at the end of an iteration, with a checkpoint
         print(f"torchrl-agent: {err}", file=sys.stderr)
         return err.exit_code, {"run_dir": str(trainer.run_dir), "error": str(err)}
     except KeyboardInterrupt:  # a second Ctrl-C: stopped at once

@@ -150,6 +150,9 @@ class EvalConfig:
     checkpoint: Optional[str] = None  # a training checkpoint (.pt) to load into the model
     endpoint: Optional[str] = None  # an OpenAI-compatible server (prompt-only baseline)
     endpoint_model: Optional[str] = None  # the model name sent to the endpoint
+    # endpoint: the environment variable holding its API key (sent as Authorization: Bearer; never
+    # written or printed); unset or empty: no key
+    api_key_env: str = "OPENAI_API_KEY"
     timeout: float = 30.0  # endpoint: seconds per request attempt
     retries: int = 2  # endpoint: attempts after the first (backoff 0.5 s, doubling)
     chunk_episodes: int = 8  # endpoint: panel episodes run per chunk (an interrupt keeps finished chunks)
@@ -193,7 +196,12 @@ class TrainConfig:
     seed: int = 0
     run_dir: Optional[str] = None  # default: runs/<timestamp>
     checkpoint_every: int = 0  # save a checkpoint every k iterations (0: only at the end)
+    # keep the newest k periodic checkpoints and the best held-out one (by eval_success); 0: all
+    checkpoint_keep: int = 0
     resume: Optional[str] = None  # a checkpoint to resume from
+    # keys whose change a resume accepts beyond those that may change (lr, iterations, logging...;
+    # checkpointing.RESUME_MAY_CHANGE): e.g. [env.max_steps]; [all]: any (experts: another experiment)
+    resume_allow_changes: list[str] = field(default_factory=list)
     progress: bool = True
     threads: Optional[int] = None  # torch CPU threads
     device: Optional[str] = None  # cpu | cuda; None: cuda when available (under torchrun: cuda:LOCAL_RANK)

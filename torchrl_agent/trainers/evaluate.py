@@ -6,6 +6,10 @@ the number of worker processes. The policy is a training checkpoint (``eval.chec
 folder (``model.path``) or an OpenAI-compatible endpoint (``eval.endpoint``, the prompt-only
 baseline), sampled at ``rollout.eval_temperature``.
 
+An endpoint's API key is read from the environment variable named by ``eval.api_key_env``
+(``OPENAI_API_KEY`` by default) and sent as ``Authorization: Bearer``: it is in no config, result or
+log. An endpoint URL that carries a key is refused by the config check.
+
 An endpoint is asked with a per-request timeout (``eval.timeout``) and retries (``eval.retries``);
 a request that still fails, or a reply that is not a completion, costs only its episode (ended
 truncated, counted as a failure): the result reports ``failed_episodes`` and the first
@@ -17,6 +21,7 @@ truncated, counted as a failure): the result reports ``failed_episodes`` and the
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from tensordict import lazy_stack
@@ -46,7 +51,8 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     if e.endpoint:
         policy = HTTPPolicy(e.endpoint, tokenizer, model=e.endpoint_model or "default",
                             max_new_tokens=r.max_new_tokens, temperature=r.eval_temperature, seed=cfg.seed,
-                            timeout=e.timeout, retries=e.retries, on_error="truncate")
+                            timeout=e.timeout, retries=e.retries, on_error="truncate",
+                            api_key=os.environ.get(e.api_key_env) or None)
         source, chunk = e.endpoint, e.chunk_episodes
     else:
         policy = TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens,

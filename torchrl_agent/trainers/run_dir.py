@@ -8,7 +8,7 @@
   created atomically (a link, which fails if the lock exists). A second run on the folder
   (``resume=auto`` while the first still runs) is refused naming the holder; a lock left by a dead
   process of this host (``kill -9``) is taken over with a message. Released on any exit that
-  Python sees (the end of the run, an exception, SIGINT / SIGTERM, ``atexit``).
+  Python sees (the end of the run, an exception, SIGINT / SIGTERM / SIGHUP, ``atexit``).
 - :func:`check_run_dir`: what a run may do with its folder: start (it is new or empty), continue
   (``resume=``), or be refused with a message naming the next step (a used folder without
   ``resume=``; ``resume=auto`` on metrics that no checkpoint covers, whose curve a fresh start
@@ -16,6 +16,9 @@
 - :func:`open_metrics`: ``metrics.jsonl`` rewritten from the checkpoint's own records (so the
   lines are exactly the iterations the checkpoint trained, none repeated or skipped after a
   resume) and opened for appending.
+- :func:`checkpoint_history`: those records, read back from the ``metrics.jsonl`` of the
+  checkpoint's run folder (the history is kept there once, not in every checkpoint) and checked
+  against the count and digest (:func:`records_digest`) the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ import datetime
 import json
 import logging
 import os
+import signal
 import socket
 import time
 from pathlib import Path
 
-__all__ = ["GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "metrics_iterations", "new_run_dir", "open_metrics"]
+__all__ = ["STOP_SIGNALS", "GuardedSink", "RunDirBusyError", "RunInterrupted", "StopSignals", "open_tensorboard", "RunDirLock", "check_run_dir", "checkpoint_history", "metrics_iterations", "new_run_dir", "open_metrics"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -41,7 +45,11 @@ class RunDirBusyError(ValueError):
 def new_run_dir(root: str | Path = "runs") -> Path:
     """A new, empty folder ``root/<timestamp>[-n]``, created atomically (never one another run has)."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"run_dir (default: {root}/ here): {root} cannot be created ({type(err).__name__}: "
+                         f"{err.strerror or err}); pass run_dir= a writable folder") from None
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     for n in range(1, 10_000):
         path = root / (stamp if n == 1 else f"{stamp}-{n}")
@@ -95,9 +103,13 @@ class RunDirLock:
             return None
 
     def acquire(self) -> RunDirLock:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         tmp = self.run_dir / f".lock.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(self.info))
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(self.info))
+        except OSError as err:  # a read-only or full file system, a file where a folder goes: one line
+            raise ValueError(f"run_dir={self.run_dir}: cannot be written ({type(err).__name__}: {err.strerror or err}); "
+                             "choose another run_dir") from None
         try:
             for _ in range(3):
                 try:
@@ -202,6 +214,58 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoint_every: int) -> t
         "run_dir (and set checkpoint_every, e.g. checkpoint_every=1, to be able to resume)")
 
 
+def records_digest(records: list[dict]) -> str:
+    """SHA-256 of ``records`` as the lines of ``metrics.jsonl`` (strict JSON, one per record)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for record in records:
+        digest.update((json.dumps(record, allow_nan=False) + "\n").encode())
+    return digest.hexdigest()
+
+
+def sync_metrics(run_dir: Path) -> None:
+    """``fsync`` ``RUN_DIR/metrics.jsonl`` (before a checkpoint that relies on its lines is written)."""
+    try:
+        fd = os.open(run_dir / "metrics.jsonl", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def checkpoint_history(path: Path, state: dict) -> list[dict]:
+    """The metrics records checkpoint ``path`` (its ``state``) was written after: its own
+    ``"history"`` (an earlier version's checkpoint), else the lines of ``metrics.jsonl`` of its run
+    folder (``RUN/checkpoints/X.pt`` -> ``RUN``) up to its iteration, checked against the count and
+    digest it holds. A mismatch (lines lost or edited since) is logged and the records found are
+    used: the training state does not depend on them, only the curve and the plot."""
+    if "history" in state:
+        return list(state["history"])
+    path = Path(path)
+    run = path.parent.parent if path.parent.name == "checkpoints" else path.parent
+    records = []
+    if (run / "metrics.jsonl").exists():
+        for line in (run / "metrics.jsonl").read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if isinstance(record, dict) and isinstance(record.get("iteration"), int) \
+                    and record["iteration"] <= state["iteration"]:
+                records.append(record)
+    want = state.get("history_records")
+    if want is not None and (len(records) != want or records_digest(records) != state.get("history_sha256")):
+        logger.warning("resume: %s holds %d metrics records up to iteration %d, not the %d checkpoint %s was written "
+                       "after (lines lost or changed since): the history and the curve go on from what is there",
+                       run / "metrics.jsonl", len(records), state["iteration"], want, path)
+    return records
+
+
 def open_metrics(run_dir: Path, history: list[dict]):
     """``RUN_DIR/metrics.jsonl`` holding exactly the records of ``history`` (the resumed
     checkpoint's; ``[]`` for a new run), written atomically, opened for appending."""
@@ -271,9 +335,13 @@ class GuardedSink:
 
 
 # ----------------------------------------------------------------------------------- stop signals
+#: the signals that stop a run at the end of its iteration, with a checkpoint
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
 class RunInterrupted(Exception):
-    """The run stopped on SIGINT / SIGTERM at a safe point, with a checkpoint; ``exit_code`` is
-    ``128 + signal`` (130 for SIGINT, 143 for SIGTERM), the message says how to continue."""
+    """The run stopped on SIGINT / SIGTERM / SIGHUP at a safe point, with a checkpoint; ``exit_code``
+    is ``128 + signal`` (130 for SIGINT, 143 for SIGTERM, 129 for SIGHUP), the message says how to
+    continue."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -281,8 +349,8 @@ class RunInterrupted(Exception):
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C) and SIGTERM (what a scheduler sends before its kill) ask the run to stop at
-    its next safe point (the end of the current iteration: :attr:`requested` is set; the trainer
+    """SIGINT (Ctrl-C), SIGTERM (what a scheduler sends before its kill) and SIGHUP (the terminal
+    closed, the SSH session dropped) ask the run to stop at its next safe point (the end of the current iteration: :attr:`requested` is set; the trainer
     saves a checkpoint and raises :class:`RunInterrupted`) instead of killing it mid-update. A second
     signal stops at once (``KeyboardInterrupt``). :meth:`install` / :meth:`uninstall` (or a context
     manager): the previous handlers come back after. Outside the main thread (signals cannot be
@@ -293,8 +361,6 @@ class StopSignals:
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        import signal
-
         if self.requested is not None:
             raise KeyboardInterrupt(f"{signal.Signals(signum).name} received twice")
         self.requested = signum
@@ -302,17 +368,14 @@ class StopSignals:
                        "stop now, without one)", signal.Signals(signum).name)
 
     def install(self) -> StopSignals:
-        import signal
         import threading
 
         if threading.current_thread() is threading.main_thread() and not self._previous:
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            for signum in STOP_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def uninstall(self) -> None:
-        import signal
-
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous.clear()
@@ -324,8 +387,6 @@ class StopSignals:
 
     def stop_message(self, run_dir: Path, checkpoint: Path | None, iteration: int) -> RunInterrupted:
         """The :class:`RunInterrupted` to raise once the run stopped after ``iteration``."""
-        import signal
-
         name = signal.Signals(self.requested).name
         return RunInterrupted(f"stopped by {name} after iteration {iteration}, checkpoint {checkpoint}; continue "
                               f"with: torchrl-agent train <the same overrides> resume=auto run_dir={run_dir}",

@@ -62,8 +62,10 @@ from torchrl_agent.trainers.builders import (
 from torchrl_agent.trainers.checkpointing import (
     CheckpointError,
     check_model_state,
+    check_resume_config,
     numpy_state,
     plain_numpy_state,
+    prune_checkpoints,
     read_checkpoint,
     write_checkpoint,
 )
@@ -98,10 +100,13 @@ from torchrl_agent.trainers.run_dir import (
     RunInterrupted,
     StopSignals,
     check_run_dir,
+    checkpoint_history,
     metrics_iterations,
     new_run_dir,
     open_metrics,
     open_tensorboard,
+    records_digest,
+    sync_metrics,
 )
 from torchrl_agent.trainers.validate import validate_config
 
@@ -487,9 +492,12 @@ class Trainer:
             "model": model_state, "optimizer": optimizer_state,
             "iteration": self.iteration, "collector": self.collector.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": plain_numpy_state()},
-            "history": self.history, "evals": [list(e) for e in self.evals], "config": dataclasses.asdict(self.cfg),
+            # the metrics history is kept once, in metrics.jsonl: its count and digest here (run_dir.checkpoint_history)
+            "history_records": len(self.history), "history_sha256": records_digest(self.history),
+            "evals": [list(e) for e in self.evals], "config": dataclasses.asdict(self.cfg),
             "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
+        sync_metrics(self.run_dir)
         write_checkpoint(state, path, kept=kept)
         self.last_checkpoint = path
         return path
@@ -515,7 +523,7 @@ class Trainer:
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         np.random.set_state(numpy_state(state["rng"]["numpy"]))
-        self.history, self.evals = state["history"], [tuple(e) for e in state["evals"]]
+        self.history, self.evals = checkpoint_history(path, state), [tuple(e) for e in state["evals"]]
         self.last_checkpoint = Path(path)
 
     def close(self) -> None:
@@ -680,9 +688,10 @@ class Trainer:
         path = None
         if is_main_process():
             path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
-            if self._resume_state is not None:
+            if self._resume_state is not None:  # the same model, then the same experiment (one line naming the keys)
                 check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
                                   path, self._resume_state.get("config"))
+                check_resume_config(self._resume_state.get("config"), dataclasses.asdict(self.cfg), path)
             for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
                 stale.unlink(missing_ok=True)
         path = broadcast_object(None if path is None else str(path))
@@ -700,6 +709,9 @@ class Trainer:
             self.save_checkpoint()
         except CheckpointError as err:
             logger.error("%s; training continues", err)
+            return
+        if self.cfg.checkpoint_keep and is_main_process():  # an evaluation at iteration i scores checkpoint i - 1
+            prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint_keep, {i - 1: s for i, s in self.evals})
 
     def _drop_faulted(self, rows: TensorDictBase) -> tuple[TensorDictBase | None, dict]:
         """Leave the episodes cut short by a fault (``worker_fault`` / ``env_fault``) out of the
@@ -715,8 +727,9 @@ class Trainer:
         keep = ~torch.isin(traj, bad_traj)
         pairs = torch.unique(torch.stack([group[keep], traj[keep]]), dim=1)
         groups, members = pairs[0].unique(return_counts=True)
-        hurt = torch.isin(groups, group[~keep].unique())
-        dropped_groups = groups[hurt & (members < 2)]
+        hurt = group[~keep].unique()  # groups that lost episodes; how many each has left (0: all faulted)
+        left = torch.stack([members[groups == g].sum() for g in hurt]) if hurt.numel() else hurt
+        dropped_groups = hurt[left < 2]
         keep &= ~torch.isin(group, dropped_groups)
         out = {"env_faults": int(bad_traj.numel()), "fault_rows_dropped": int((~keep).sum()),
                "fault_groups_dropped": int(dropped_groups.numel())}

@@ -28,7 +28,7 @@ __all__ = ["ConfigError", "validate_config"]
 
 # key -> (lower bound, inclusive?) ; None values are allowed where the schema says Optional
 _AT_LEAST = {
-    "iterations": 0, "eval_every": 0, "seed": 0, "checkpoint_every": 0,
+    "iterations": 0, "eval_every": 0, "seed": 0, "checkpoint_every": 0, "checkpoint_keep": 0,
     "env.num_groups": 1, "env.group_size": 1, "env.max_steps": 1, "env.eval_episodes": 1, "env.num_workers": 0,
     "memory.k": 0, "memory.max_summary_tokens": 1, "memory.summarize_every": 1, "memory.max_prompt_tokens": 1,
     "rollout.max_new_tokens": 1, "rollout.batch_size": 1,
@@ -99,6 +99,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
     if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
         raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    _check_endpoint(cfg)
     _check_collector(cfg)
     _check_algorithm(cfg)
     _check_template(cfg.env.template)
@@ -114,6 +115,36 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"resume={cfg.resume}: no such file or directory")
         if cfg.run_dir is not None and Path(cfg.run_dir).exists() and not Path(cfg.run_dir).is_dir():
             raise ConfigError(f"run_dir={cfg.run_dir}: is a file, not a folder; choose another run_dir")
+        _check_folder_setting(f"run_dir={cfg.run_dir}" if cfg.run_dir else "run_dir (default: runs/ here)",
+                              Path(cfg.run_dir or "runs"), "choose another run_dir")
+        cache = os.environ.get("TORCHRL_AGENT_CACHE")
+        if cache:
+            _check_folder_setting(f"TORCHRL_AGENT_CACHE={cache}", Path(cache), "point it at a writable folder")
+
+
+def _check_folder_setting(setting: str, path: Path, fix: str) -> None:
+    """``path`` is, or can be created as, a folder to write in; else :class:`ConfigError` in one line
+    naming ``setting`` (a file where a folder goes, a read-only or unwritable parent)."""
+    path = path.expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists() or p == p.parent)
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, a file"
+        raise ConfigError(f"{setting}: {where}, not a folder; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{setting}: {existing} is not writable; {fix}")
+
+
+def _check_endpoint(cfg) -> None:
+    """``eval.endpoint`` holds no key: it is named in results and errors (the key goes in the
+    environment variable ``eval.api_key_env``). The message does not repeat the URL."""
+    from torchrl_agent.modules.http_policy import url_credentials
+
+    e = _get(cfg, "eval")
+    where = None if e is None or not e.endpoint else url_credentials(e.endpoint)
+    if where is not None:
+        raise ConfigError(f"eval.endpoint carries credentials ({where}), which would be printed with the URL: "
+                          f"remove them and put the key in the environment variable {e.api_key_env} "
+                          "(eval.api_key_env), sent as Authorization: Bearer")
 
 
 def _check_collector(cfg) -> None:

@@ -11,5 +11,5 @@ def gigpo_advantage(cfg) -> GiGPOAdvantage:
                           similarity_threshold=a.similarity_threshold)
 
 
-GIGPO = register_algorithm(Algorithm("gigpo", advantage=gigpo_advantage,
+GIGPO = register_algorithm(Algorithm("gigpo", advantage=gigpo_advantage, group_relative=True,
                                      summary="episode term + omega x anchor-state step term"))

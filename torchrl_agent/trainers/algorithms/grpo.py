@@ -14,8 +14,9 @@ def grpo_advantage(cfg) -> GRPOAdvantage:
     return GRPOAdvantage(invalid_penalty=a.invalid_penalty, norm=a.norm)
 
 
-GRPO = register_algorithm(Algorithm("grpo", advantage=grpo_advantage, summary="group-normalised episode reward"))
-DAPO = register_algorithm(Algorithm("dapo", advantage=grpo_advantage,
+GRPO = register_algorithm(Algorithm("grpo", advantage=grpo_advantage, group_relative=True,
+                                    summary="group-normalised episode reward"))
+DAPO = register_algorithm(Algorithm("dapo", advantage=grpo_advantage, group_relative=True,
                                     summary="GRPO's advantage, clip-higher, dynamic sampling"))
-GSPO = register_algorithm(Algorithm("gspo", advantage=grpo_advantage,
+GSPO = register_algorithm(Algorithm("gspo", advantage=grpo_advantage, group_relative=True,
                                     summary="GRPO's advantage, a sequence-level importance ratio"))

@@ -12,4 +12,4 @@ def check(cfg) -> None:
 
 GRPO_PASSK = register_algorithm(Algorithm("grpo_passk", advantage=lambda cfg: GRPOPassKAdvantage(
     invalid_penalty=cfg.algorithm.invalid_penalty, norm=cfg.algorithm.norm), check=check,
-    summary="advantage to each group's best trajectory"))
+    summary="advantage to each group's best trajectory", group_relative=True))

@@ -43,6 +43,9 @@ class Algorithm:
             message starting with the key) on settings this algorithm cannot run with; called at
             start with the rest of the config's checks.
         summary: one line for the docs and for ``algorithm.name`` errors.
+        group_relative: the advantage compares an episode with the other episodes of its group
+            (GRPO, GiGPO, RLOO, ...): with ``env.group_size=1`` every advantage is 0 (nothing is
+            learned), which the trainer warns about at start.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Algorithm:
     baseline: Callable[[Any, Any], Any] | None = None
     check: Callable[[Any], None] | None = None
     summary: str = ""
+    group_relative: bool = False
 
     def __post_init__(self) -> None:
         if (self.advantage is None) == (self.critic is None):

@@ -14,4 +14,5 @@ REINFORCE_PP = register_algorithm(Algorithm("reinforce_pp", advantage=lambda cfg
     summary="token-level discounted return, whitened"))
 REINFORCE_PP_BASELINE = register_algorithm(Algorithm(
     "reinforce_pp_baseline", advantage=lambda cfg: ReinforcePlusPlusBaselineAdvantage(
-        invalid_penalty=cfg.algorithm.invalid_penalty), summary="group-mean baseline, whitened over the batch"))
+        invalid_penalty=cfg.algorithm.invalid_penalty), summary="group-mean baseline, whitened over the batch",
+    group_relative=True))
