@@ -761,32 +761,58 @@ def similarity_anchor_ids(
 
 def graph_state_ids(
     texts: list[str],
-    next_texts: list[str | None],
     group_id: torch.Tensor,
     traj_id: torch.Tensor,
     step: torch.Tensor,
+    anchor: torch.Tensor,
+    reward: torch.Tensor,
+    next_anchor: torch.Tensor | None = None,
+    next_texts: list[str | None] | None = None,
     *,
     threshold: float = 0.95,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GraphGPO's similarity canonicaliser: graph node ids ``(of the anchor, of the next state)`` [N] int64.
 
-    The states of each group are clustered as :func:`similarity_anchor_ids` does (greedy, first
-    representative with ``SequenceMatcher.ratio() >= threshold``), visiting them in the reference's
-    order: trajectory by trajectory (``traj_id``), step by step, the row's anchor (``texts``) then its
-    next state (``next_texts``; ``None``: unknown, a node of its own). Pass the result as ``node`` to
-    :func:`graphgpo_advantage`.
+    ``texts`` [N] are the anchor texts. The next state of a row is the next row of its trajectory;
+    the last row's is ``"success"`` if the trajectory won (episode ``reward`` > 0), else the state
+    ``next_anchor`` names; its text is ``next_texts`` [N] (the text of each row's next state) when
+    given, else that of a row of the group with that anchor; unknown (no such row, or no
+    ``next_anchor``): a node of its own. The states of each group are clustered as
+    :func:`similarity_anchor_ids` does (greedy, first representative with
+    ``SequenceMatcher.ratio() >= threshold``), visiting them in the reference's order: trajectory by
+    trajectory (``traj_id``), step by step, the row's anchor then its next state. Pass the result as
+    ``node`` to :func:`graphgpo_advantage` (which still sends a won trajectory's last row to the sink).
     """
-    n = len(texts)
-    if len(next_texts) != n:
-        raise ValueError(f"`next_texts` has {len(next_texts)} entries but `texts` has {n}.")
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    if len(texts) != n:
+        raise ValueError(f"`texts` has {len(texts)} entries, expected {n} (the number of rows of `reward`).")
     group_id = _check_ids("group_id", group_id, n)
     traj_id = _check_ids("traj_id", traj_id, n)
     step = _check_ids("step", step, n)
+    anchor = _check_ids("anchor", anchor, n)
+    next_anchor = None if next_anchor is None else _check_ids("next_anchor", next_anchor, n)
     order = torch.argsort(step, stable=True)
     order = order[torch.argsort(traj_id[order], stable=True)].tolist()
-    seq = [t for i in order for t in (texts[i], next_texts[i])]
-    gids = group_id.tolist()
-    ids = similarity_anchor_ids(seq, [gids[i] for i in order for _ in range(2)], threshold=threshold)
+    gids, tids, anchors = group_id.tolist(), traj_id.tolist(), anchor.tolist()
+    episode: dict[int, float] = {}
+    for tr, r in zip(tids, reward.tolist()):
+        episode[tr] = episode.get(tr, 0.0) + r
+    text_of = {(g, a): t for g, a, t in zip(gids, anchors, texts)}
+    nexts = next_anchor.tolist() if next_anchor is not None else None
+    seq, seq_groups = [], []
+    for j, i in enumerate(order):
+        follow = order[j + 1] if j + 1 < n and tids[order[j + 1]] == tids[i] else None
+        if follow is not None:
+            nxt = texts[follow]
+        elif episode[tids[i]] > 0:
+            nxt = "success"
+        else:
+            nxt = next_texts[i] if next_texts is not None else (
+                None if nexts is None else text_of.get((gids[i], nexts[i])))
+        seq += [texts[i], nxt]
+        seq_groups += [gids[i], gids[i]]
+    ids = similarity_anchor_ids(seq, seq_groups, threshold=threshold)
     out = torch.empty(2 * n, dtype=torch.int64)
     pos = torch.tensor(order, dtype=torch.int64)
     out[pos] = ids[0::2]
