@@ -135,15 +135,17 @@ def random_rows(rng: random.Random, near_duplicates: bool = False):
     return rows
 
 
-def as_td(rows, with_next=True):
+def as_td(rows, with_next=True, texts=False):
     col = lambda k, dt=torch.int64: torch.tensor([r[k] for r in rows], dtype=dt)  # noqa: E731
     td = TensorDict(dict(reward=col("reward", torch.float64), group_id=col("group"), traj_id=col("traj"),
                          step_count=col("step"), anchor=torch.tensor([stable_hash(r["state"]) for r in rows]),
                          action_valid=col("valid", torch.bool)), batch_size=[len(rows)])
-    td["observation"] = [r["state"] for r in rows]
     if with_next:
         td["next_anchor"] = torch.tensor([stable_hash(r["next"]) for r in rows])
-        td["next_observation"] = [r["next"] for r in rows]
+    if texts:  # the similarity canonicaliser's inputs
+        td["observation"] = [r["state"] for r in rows]
+        if with_next:
+            td["next_observation"] = [r["next"] for r in rows]
     return td
 
 
@@ -183,7 +185,7 @@ def test_matches_the_loop_restatement_on_200_random_batches(similarity):
         norm = rng.choice(["mean_std", "mean"])
         module = GraphGPOAdvantage(gamma=gamma, step_weight=ws, episode_weight=we, normalize_distance=nd, norm=norm,
                                    similarity_threshold=0.95 if similarity else None)
-        out = module(as_td(rows))["advantage"].squeeze(-1)
+        out = module(as_td(rows, texts=similarity))["advantage"].squeeze(-1)
         expected = loop_graphgpo(rows, gamma=gamma, ws=ws, we=we, normalize_distance=nd, c=0.1, norm=norm,
                                  threshold=0.95 if similarity else None)
         worst = max(worst, (out - expected).abs().max().item())

@@ -193,10 +193,10 @@ def _positions(tinv: torch.Tensor, kt: int, step: torch.Tensor) -> tuple[torch.T
     return pos, t_max
 
 
-def _discounted(r, tinv, kt, step, gamma, with_magnitude=False):
+def _discounted(r, tinv, kt, step, gamma, with_magnitude=False, positions=None):
     """Discounted returns [N]; ``with_magnitude``: also ``sum_k |r_k| gamma**(k - t)`` (the scale of
-    their rounding), as a tuple."""
-    pos, t_max = _positions(tinv, kt, step)
+    their rounding), as a tuple. ``positions``: :func:`_positions`' result, if already computed."""
+    pos, t_max = positions if positions is not None else _positions(tinv, kt, step)
     flat = tinv * t_max + pos  # row -> cell of the padded [num_traj, T] matrix
     padded = torch.zeros(kt * t_max, dtype=r.dtype, device=r.device).index_copy_(0, flat, r).view(kt, t_max)
     if with_magnitude:
@@ -419,10 +419,10 @@ def hgpo_advantage(
     if n == 0:
         return reward.reshape(-1).clone()
     vd = reward.dtype
-    step_return, mag = _discounted(r, tinv, kt, step, gamma, with_magnitude=True)
+    pos, t_max = _positions(tinv, kt, step)
+    step_return, mag = _discounted(r, tinv, kt, step, gamma, with_magnitude=True, positions=(pos, t_max))
     penalty = invalid_penalty * (~valid).to(r.dtype)
     step_return, mag = step_return - penalty, mag + penalty
-    pos, t_max = _positions(tinv, kt, step)
     ainv, ka = _dense_1d(anchor)
     padded = _traj_matrix(ainv, tinv, kt, pos, t_max)
     num = torch.zeros_like(r)
