@@ -424,23 +424,38 @@ def hgpo_advantage(
     penalty = invalid_penalty * (~valid).to(r.dtype)
     step_return, mag = step_return - penalty, mag + penalty
     ainv, ka = _dense_1d(anchor)
-    padded = _traj_matrix(ainv, tinv, kt, pos, t_max)
+    # context keys: (group, anchor_s) first, then (key, anchor_{s-k+1}) level by level; the anchor enters
+    # by its rank among its group's anchors when every anchor value lives in one group (a small key
+    # range: dense ids by bincount, no sort)
+    lo = torch.full((ka,), kg, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amin")
+    hi = torch.full((ka,), -1, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amax")
+    if bool((lo == hi).all()):
+        key, kk = ainv, ka
+        per_group = torch.bincount(lo, minlength=kg)
+        order = torch.argsort(lo, stable=True)
+        local = torch.empty_like(lo)
+        local[order] = torch.arange(ka, device=r.device) - (torch.cumsum(per_group, 0) - per_group).index_select(
+            0, lo.index_select(0, order))
+        code, width = local.index_select(0, ainv), int(per_group.max())
+    else:
+        key, kk = _dense_1d(ginv * ka + ainv)
+        code, width = ainv, ka
+    padded = _traj_matrix(code, tinv, kt, pos, t_max)
     num = torch.zeros_like(r)
     den = torch.zeros_like(r)
     if base_group:
         a0 = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=vd, zero_at_mean=True)
         num += a0
         den += (a0 != 0).to(r.dtype)  # weight (0 + 1) ** alpha = 1
-    rows = torch.arange(n, device=r.device)
-    key = ginv  # key of the context (group, anchor_s, ..., anchor_{s-k+1}), dense, for the rows in `rows`
+    rows = torch.arange(n, device=r.device)  # key: the context (group, anchor_s, ..., anchor_{s-k+1}) of `rows`
     for k in range(1, int(history_length) + 2):
         if k > 1:
             keep = pos.index_select(0, rows) >= k - 1
             rows, key = rows[keep], key[keep]
-        if rows.numel() == 0:
-            break
-        prev = padded.index_select(0, tinv.index_select(0, rows) * t_max + pos.index_select(0, rows) - (k - 1))
-        key, kk = _dense_1d(key * ka + prev)
+            if rows.numel() == 0:
+                break
+            prev = padded.index_select(0, tinv.index_select(0, rows) * t_max + pos.index_select(0, rows) - (k - 1))
+            key, kk = _dense_1d(key * width + prev)
         a_k = _normalize(step_return.index_select(0, rows), key, kk, norm=norm, eps=eps, singleton_zero=True,
                          value_dtype=vd, unbiased=False, zero_at_mean=True, mag=mag.index_select(0, rows))
         w = float(k + 1) ** alpha
@@ -545,8 +560,8 @@ def graphgpo_advantage(
     real = ~(sink | dead)
     # node ids: the states of each group (dense over (group, state)), then a sink per group, then a dead
     # end per trajectory
-    states, ks = _dense_1d(torch.cat([src, dst[real]]))
-    pair, kp = _dense_1d(torch.cat([ginv, ginv[real]]) * ks + states)
+    states, _ = _dense_1d(torch.cat([src, dst[real]]))
+    pair, kp = _pair_ids(torch.cat([ginv, ginv[real]]), kg, states)
     u = pair[:n]
     v = torch.empty_like(u)
     v[real] = pair[n:]
@@ -563,7 +578,8 @@ def graphgpo_advantage(
     exponent = d_next - dist.index_select(0, u) + 1 if normalize_distance else d_next
     step_return = 10.0 * torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** exponent
     penalty = invalid_penalty * (~valid).to(r.dtype)
-    ainv, ka = _pair_ids(ginv, kg, anchor)  # step groups: exact (group, anchor) pairs, as GiGPO
+    # step groups: exact (group, anchor) pairs, as GiGPO (the graph's own ids when its states are the anchors)
+    ainv, ka = (u, kp) if node is None else _pair_ids(ginv, kg, anchor)
     a_step = _normalize(step_return - penalty, ainv, ka, norm=norm, eps=eps, singleton_zero=True, value_dtype=vd,
                         mag=step_return + penalty)
     a_episode = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=vd)
