@@ -18,7 +18,8 @@ Measured (each activation figure in a fresh subprocess):
   fixed shape; 7B's intermediate ratio, 5.29, is smaller, so its estimate is an upper bound).
   Sequences of 128 tokens (96 prompt + 32 response), sdpa attention.
 
-The plan (JSON ``plans``): per recipe (Qwen2.5-1.5B / 7B, 1 or 8 GPUs of 80 or 141 GB), the bytes per
+The plan (JSON ``plans``; ``recipe_plans`` for the recipes of ``RECIPE_SHAPES``, another prompt budget,
+batch or model): per recipe (Qwen2.5-1.5B / 7B, 1 or 8 GPUs of 80 or 141 GB), the bytes per
 GPU of each part, with ``N`` GPUs (FSDP2 shards over all of them), ``P`` parameters, ``L`` layers,
 ``M`` = ``algorithm.micro_batch_tokens``, ``a`` the activation bytes per token and layer and ``c`` the
 bytes per token outside the layers (with checkpointing: ``a_ckpt``, the kept layer input, and
@@ -75,9 +76,19 @@ GIB = 2**30
 MODELS = {
     "qwen2.5-1.5b": dict(params=1_543_714_304, layers=28, hidden=1536, vocab=151_936, kv_heads=2, head_dim=128),
     "qwen2.5-7b": dict(params=7_615_616_512, layers=28, hidden=3584, vocab=152_064, kv_heads=4, head_dim=128),
+    "qwen2.5-3b": dict(params=3_085_938_688, layers=36, hidden=2048, vocab=151_936, kv_heads=2, head_dim=128),
 }
 #: the ALFWorld recipes' shape: 16 groups x 8 rollouts, prompt budget 2,048, responses up to 512
 RECIPE = dict(rows=128, prompt_tokens=2048, response_tokens=512, micro_batch_tokens=16384, chunk_tokens=1024)
+#: recipes of another shape or model (JSON ``recipe_plans``): rows = groups x rollouts, the prompt budget
+#: (memory.max_prompt_tokens), rollout.max_new_tokens
+RECIPE_SHAPES = {
+    "alfworld_hgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=4096, response_tokens=512),
+    "webshop_hgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=4096, response_tokens=512),
+    "alfworld_graphgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=2048, response_tokens=512),
+    "webshop_graphgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=5120, response_tokens=512),
+    "sokoban_graphgpo": dict(model="qwen2.5-3b", rows=256, prompt_tokens=1024, response_tokens=512),
+}
 
 
 def _status_kib(field: str) -> int:
@@ -181,11 +192,13 @@ def fit(runs: list[dict]) -> tuple[float, float]:
     return per_layer, per_token_l1 - l1 * per_layer
 
 
-def plan(constants: dict) -> dict:
-    """Bytes per GPU of each part for every recipe and GPU count/size, and the settings that fit."""
+def plan(constants: dict, shape: dict = RECIPE, models=("qwen2.5-1.5b", "qwen2.5-7b")) -> dict:
+    """Bytes per GPU of each part for every model and GPU count/size at ``shape``, and the settings that fit."""
+    shape = {**RECIPE, **shape}
     s = constants["state_bytes_per_param"]
     out = {}
-    for name, m in MODELS.items():
+    for name in models:
+        m = MODELS[name]
         scale = m["hidden"] / PROBE_HIDDEN
         a = constants["activation_bytes_per_token_layer"]["no_checkpointing"] * scale
         a_ckpt = constants["activation_bytes_per_token_layer"]["checkpointing"] * scale
@@ -196,11 +209,11 @@ def plan(constants: dict) -> dict:
             for gib in (80, 141):
                 G = gib * GIB
                 P, L = m["params"], m["layers"]
-                seqs = RECIPE["rows"] / gpus  # each rank's engine collects its share
-                engine = 2 * P + 2 * GIB + seqs * (RECIPE["prompt_tokens"] + RECIPE["response_tokens"]) * kv_per_token
+                seqs = shape["rows"] / gpus  # each rank's engine collects its share
+                engine = 2 * P + 2 * GIB + seqs * (shape["prompt_tokens"] + shape["response_tokens"]) * kv_per_token
                 u = min(0.95, -(-engine / G * 100 // 1) / 100)  # rounded up to a percent
                 fixed = {"trainer_state": s * P / gpus, "kl_reference": 2 * P / gpus, "fsdp2_gather": 2 * 2 * P / L,
-                         "lm_head_chunk": 3 * RECIPE["chunk_tokens"] * m["vocab"] * 4}
+                         "lm_head_chunk": 3 * shape["chunk_tokens"] * m["vocab"] * 4}
                 chosen = None
                 for ckpt, sleep, M in ((False, False, 16384), (True, False, 16384), (True, True, 16384),
                                        (True, True, 8192), (True, True, 4096), (True, True, 2048)):
@@ -250,7 +263,8 @@ def main(argv=None) -> dict:
         "probe": {**PROBE, "sequence": sum(SEQUENCE), "dtype": "bfloat16", "layers": LAYERS, "rows": ROWS},
     }
     summary = {"benchmark": "memory_plan", "device": "cpu", "recipe_shape": RECIPE, **constants,
-               "plans": plan(constants)}
+               "plans": plan(constants),
+               "recipe_plans": {name: plan(constants, shape, (shape["model"],)) for name, shape in RECIPE_SHAPES.items()}}
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -51,7 +51,8 @@ import psutil
 
 #: The recipes meant for GPUs (a hub model, FSDP2 over several GPUs, vLLM rollouts).
 GPU_RECIPES = ("alfworld_gigpo", "alfworld_gigpo_7b", "alfworld_grpo", "webshop_gigpo", "search_gigpo",
-               "sokoban_gigpo", "appworld_gigpo", "ezpoints_gigpo")
+               "sokoban_gigpo", "appworld_gigpo", "ezpoints_gigpo", "alfworld_hgpo", "webshop_hgpo",
+               "alfworld_graphgpo", "webshop_graphgpo", "sokoban_graphgpo")
 
 #: What every rehearsal changes (the rest is the recipe's).
 CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",

@@ -42,7 +42,7 @@ def test_rows_follow_the_data_contract(tiny_model, tokenizer):
     collector = StepCollector(make(tokenizer), TransformersPolicy(tiny_model, tokenizer, max_new_tokens=8), seed=3)
     rows = collector.collect()
     n = rows.batch_size[0]
-    for key in ("task", "observation", "admissible_actions", "anchor", "memory", "step_count", "action",
+    for key in ("task", "observation", "admissible_actions", "anchor", "next_anchor", "memory", "step_count", "action",
                 "action_valid", "reward", "done", "terminated", "truncated", "success", "group_id", "traj_id",
                 ("text", "prompt"), ("text", "response"), ("tokens", "prompt"), ("tokens", "response"),
                 ("log_probs", "response")):

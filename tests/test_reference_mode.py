@@ -258,6 +258,9 @@ RECIPES = {
     "sokoban_gigpo": dict(env="sokoban", groups=32, size=8, minibatch=64, entropy=0.001, k=2, warmup=0.0),
     "ezpoints_gigpo": dict(env="ezpoints", groups=16, size=8, minibatch=128, entropy=0.001, k=2, warmup=0.0),
     "search_gigpo": dict(env="search", groups=256, size=5, minibatch=512, entropy=0.0, k=4, warmup=0.1),
+    "alfworld_hgpo": dict(env="alfworld", groups=16, size=8, minibatch=256, entropy=0.001, k=2, warmup=0.0),
+    "alfworld_graphgpo": dict(env="alfworld", groups=16, size=8, minibatch=256, entropy=0.001, k=2, warmup=0.0),
+    "sokoban_graphgpo": dict(env="sokoban", groups=32, size=8, minibatch=64, entropy=0.001, k=2, warmup=0.0),
 }
 
 

@@ -8,7 +8,8 @@ keys of the data contract (the README's "The data contract"): the step's input (
 policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
 ``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
 ``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``,
-``truncated``, ``success``) and the ids (``group_id``, ``traj_id``). The env's
+``truncated``, ``success``, ``next_anchor``: the anchor of the observation the step returned) and the
+ids (``group_id``, ``traj_id``). The env's
 :class:`~torchrl_agent.envs.transforms.ActionProjection` parses each response during the step; the
 row takes the parse from the step's output.
 
@@ -228,11 +229,14 @@ class StepCollector(BaseCollector):
             too_long = torch.zeros(n, dtype=torch.bool)
             too_long[active] = out["prompt_too_long"].reshape(-1)
             td = self.env.step(td)
+            next_anchor = td.get(("next", "anchor"), None)  # the state each step led to (GraphGPO's graph edges)
             for j, i in enumerate(active.tolist()):
                 if not running[i]:
                     continue  # lockstep: an environment already done generated for nothing
                 row = td[i].select(*_INPUT_KEYS, *_PARSED_KEYS, ("text", "response"), strict=False)
                 row.update(td[i]["next"].select(*_OUTCOME_KEYS, *_PARSED_KEYS, strict=False))
+                if next_anchor is not None:
+                    row["next_anchor"] = next_anchor[i]
                 if too_long[i]:  # the engine could not take the prompt: the episode ends here
                     logger.warning("the engine generated nothing for environment %d (prompt over the engine's "
                                    "limit, or a failed request): episode truncated", i)

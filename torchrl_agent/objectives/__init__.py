@@ -2,7 +2,7 @@
 
 Every formula, option and its mapping to the reference's options: ``docs/algorithms.md``.
 
-- :mod:`.functional`: vectorised row-level math (GiGPO, GRPO, GRPO pass@k, RLOO,
+- :mod:`.functional`: vectorised row-level math (GiGPO, HGPO, GraphGPO, GRPO, GRPO pass@k, RLOO,
   REINFORCE++-baseline, ReMax, similarity anchors);
 - :mod:`.advantages`: TensorDict modules / replay-buffer transforms over it (and the
   token-level REINFORCE++);
@@ -14,8 +14,10 @@ Every formula, option and its mapping to the reference's options: ``docs/algorit
 
 from torchrl_agent.objectives.advantages import (
     GiGPOAdvantage,
+    GraphGPOAdvantage,
     GRPOAdvantage,
     GRPOPassKAdvantage,
+    HGPOAdvantage,
     ReinforcePlusPlusAdvantage,
     ReinforcePlusPlusBaselineAdvantage,
     ReMaxAdvantage,
@@ -27,9 +29,12 @@ from torchrl_agent.objectives.functional import (
     discounted_step_returns,
     episode_scores,
     gigpo_advantage,
+    graph_state_ids,
+    graphgpo_advantage,
     group_normalize,
     grpo_advantage,
     grpo_passk_advantage,
+    hgpo_advantage,
     reinforce_pp_baseline_advantage,
     remax_advantage,
     rloo_advantage,
@@ -47,8 +52,10 @@ __all__ = [
     "DynamicSamplingFilter",
     "FixedKLController",
     "GiGPOAdvantage",
+    "GraphGPOAdvantage",
     "GRPOAdvantage",
     "GRPOPassKAdvantage",
+    "HGPOAdvantage",
     "PPOLoss",
     "RLOOAdvantage",
     "ReMaxAdvantage",
@@ -59,9 +66,12 @@ __all__ = [
     "discounted_step_returns",
     "episode_scores",
     "gigpo_advantage",
+    "graph_state_ids",
+    "graphgpo_advantage",
     "grpo_advantage",
     "grpo_passk_advantage",
     "group_normalize",
+    "hgpo_advantage",
     "informative_group_mask",
     "kl_estimate",
     "kl_in_reward",

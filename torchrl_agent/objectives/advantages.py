@@ -11,11 +11,13 @@ key            shape/dtype   meaning
 ``reward``     [N,1] float   env reward of the step
 ``group_id``   [N] int64     episode group (same initial state)
 ``traj_id``    [N] int64     trajectory
-``step_count`` [N,1] int64   step index of the row (0 for the first step) -- GiGPO only
-``anchor``     [N] int64     anchor-state hash -- GiGPO only
+``step_count`` [N,1] int64   step index of the row (0 for the first step) -- GiGPO, HGPO, GraphGPO
+``anchor``     [N] int64     anchor-state hash -- GiGPO, HGPO, GraphGPO
+``next_anchor`` [N] int64    optional: the anchor of the state the step led to -- GraphGPO only
 ``action_valid`` [N,1] bool  response followed the format (missing: all valid)
 ``kl_penalty`` [N,1] float   optional: subtracted from the row's score (KL in the reward)
-``observation`` [N] str      anchor text -- GiGPO with ``similarity_threshold`` only
+``observation`` [N] str      anchor text -- GiGPO / GraphGPO with ``similarity_threshold`` only
+``next_observation`` [N] str optional: text of the next state -- GraphGPO with ``similarity_threshold``
 ``response_tokens`` [N,1]    response length -- REINFORCE++ (token whitening / discounting)
 ``token_reward`` [N,T] float optional per-token reward (KL in the reward) -- REINFORCE++ only
 ``reward_baseline`` [N,1]    greedy episode reward of the row's group -- ReMax only
@@ -48,7 +50,7 @@ from torchrl_agent.objectives import functional as F
 from torchrl_agent.objectives._inputs import as_rows
 from torchrl_agent.objectives._keys import KeysMixin
 
-__all__ = ["GiGPOAdvantage", "GRPOAdvantage", "GRPOPassKAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
+__all__ = ["GiGPOAdvantage", "GraphGPOAdvantage", "GRPOAdvantage", "HGPOAdvantage", "GRPOPassKAdvantage", "RLOOAdvantage", "ReinforcePlusPlusAdvantage",
            "ReinforcePlusPlusBaselineAdvantage", "ReMaxAdvantage"]
 
 
@@ -60,8 +62,8 @@ class _RowAdvantage(KeysMixin, Transform):
         """Configurable tensordict keys (see the module docstring for shapes).
 
         Attributes:
-            reward, group_id, traj_id, step_count, anchor, action_valid, kl_penalty,
-            anchor_text, response_tokens, token_reward, reward_baseline: input keys.
+            reward, group_id, traj_id, step_count, anchor, next_anchor, action_valid, kl_penalty,
+            anchor_text, next_anchor_text, response_tokens, token_reward, reward_baseline: input keys.
             advantage: output key.
         """
 
@@ -70,9 +72,11 @@ class _RowAdvantage(KeysMixin, Transform):
         traj_id: NestedKey = "traj_id"
         step_count: NestedKey = "step_count"
         anchor: NestedKey = "anchor"
+        next_anchor: NestedKey = "next_anchor"
         action_valid: NestedKey = "action_valid"
         kl_penalty: NestedKey = "kl_penalty"
         anchor_text: NestedKey = "observation"
+        next_anchor_text: NestedKey = "next_observation"
         response_tokens: NestedKey = "response_tokens"
         token_reward: NestedKey = "token_reward"
         reward_baseline: NestedKey = "reward_baseline"
@@ -207,6 +211,105 @@ class GiGPOAdvantage(GRPOAdvantage):
         return F.gigpo_advantage(reward, group_id, traj_id, step, anchor, valid, gamma=self.gamma,
                                  omega=self.omega, invalid_penalty=self.invalid_penalty, norm=self.norm,
                                  eps=self.eps, score_penalty=self._penalty())
+
+
+def _texts(value) -> list[str]:
+    """A non-tensor entry of strings as a list of str."""
+    value = value.tolist() if hasattr(value, "tolist") else list(value)
+    return [str(t) for t in value]
+
+
+class HGPOAdvantage(GRPOAdvantage):
+    """HGPO advantage: the step return normalised in history-context groups, see
+    :func:`~.functional.hgpo_advantage`.
+
+    Reads ``step_count`` and ``anchor`` as :class:`GiGPOAdvantage`. A row's history is the
+    ``anchor`` s of the earlier rows of its trajectory (ordered by ``step_count``): the rows carry
+    nothing more.
+
+    Keyword Args:
+        history_length (int): ``K``, the context groups have lengths ``1 .. K + 1``. Defaults to 2
+            (the reference sets it to the memory's history length).
+        gamma (float): step-return discount. Defaults to 0.95.
+        alpha (float): length-weight exponent, ``w_k = (k + 1) ** alpha``. Defaults to 1.0.
+        base_group (bool): add GRPO's episode term as an item of weight 1. Defaults to False.
+        invalid_penalty, norm, eps, write_only: as :class:`GRPOAdvantage` (``norm``: ``"mean_std"``
+            uses the population std here, as the reference).
+    """
+
+    _needs_steps = True
+
+    def __init__(self, *, history_length: int = 2, gamma: float = 0.95, alpha: float = 1.0, base_group: bool = False,
+                 invalid_penalty: float = 0.1, norm: F.Norm = "mean_std", eps: float = 1e-6,
+                 write_only: bool = False) -> None:
+        super().__init__(invalid_penalty=invalid_penalty, norm=norm, eps=eps, write_only=write_only)
+        if not 0.0 <= gamma <= 1.0:
+            raise ValueError(f"`gamma` must be in [0, 1], got {gamma}.")
+        if int(history_length) != history_length or history_length < 0:
+            raise ValueError(f"`history_length` must be an int >= 0, got {history_length}.")
+        self.history_length, self.gamma = int(history_length), float(gamma)
+        self.alpha, self.base_group = float(alpha), bool(base_group)
+
+    def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        return F.hgpo_advantage(reward, group_id, traj_id, step, anchor, valid, history_length=self.history_length,
+                                gamma=self.gamma, alpha=self.alpha, base_group=self.base_group,
+                                invalid_penalty=self.invalid_penalty, norm=self.norm, eps=self.eps,
+                                score_penalty=self._penalty())
+
+
+class GraphGPOAdvantage(GRPOAdvantage):
+    """GraphGPO advantage ``w_E * A_E + w_S * A_S`` over a state graph per group, see
+    :func:`~.functional.graphgpo_advantage`.
+
+    Reads ``step_count`` and ``anchor`` as :class:`GiGPOAdvantage`, and ``next_anchor`` [N] int64
+    when the rows carry it (the anchor of the observation the step returned; the step collector
+    writes it). Without it, a row's next state is the next row's anchor and the last row of a
+    failed trajectory leads to a dead end, which differs from the reference only when that final
+    observation is also some row's anchor in the group. With ``similarity_threshold`` set, the
+    graph's states are clustered over the ``anchor_text`` strings (default key ``observation``;
+    the final state of a failed trajectory by its ``next_anchor_text``, key ``next_observation``, if
+    present), :func:`~.functional.graph_state_ids`; the step groups stay exact.
+
+    Keyword Args:
+        gamma (float): discount of the hop distance. Defaults to 0.95 (the reference's scripts: 0.1
+            ALFWorld, 0.2 WebShop, 0.8 Sokoban).
+        step_weight (float): ``w_S``. Defaults to 1.0.
+        episode_weight (float): ``w_E``. Defaults to 1.0.
+        normalize_distance (bool): ``10 * gamma ** (d(next) - d(anchor) + 1)`` instead of
+            ``10 * gamma ** d(next)``. Defaults to False.
+        similarity_threshold (float, optional): in (0, 1]; ``None`` (default): exact states (the
+            reference's ``enable_similarity`` with ``similarity_thresh`` 0.95).
+        invalid_penalty, norm, eps, write_only: as :class:`GRPOAdvantage`.
+    """
+
+    _needs_steps = True
+
+    def __init__(self, *, gamma: float = 0.95, step_weight: float = 1.0, episode_weight: float = 1.0,
+                 normalize_distance: bool = False, similarity_threshold: float | None = None,
+                 invalid_penalty: float = 0.1, norm: F.Norm = "mean_std", eps: float = 1e-6,
+                 write_only: bool = False) -> None:
+        super().__init__(invalid_penalty=invalid_penalty, norm=norm, eps=eps, write_only=write_only)
+        if not 0.0 < gamma <= 1.0:
+            raise ValueError(f"`gamma` must be in (0, 1], got {gamma}.")
+        if similarity_threshold is not None and not 0.0 < similarity_threshold <= 1.0:
+            raise ValueError(f"`similarity_threshold` must be in (0, 1] or None, got {similarity_threshold}.")
+        self.gamma, self.step_weight, self.episode_weight = float(gamma), float(step_weight), float(episode_weight)
+        self.normalize_distance = bool(normalize_distance)
+        self.similarity_threshold = similarity_threshold
+
+    def _compute(self, reward, group_id, traj_id, valid, step, anchor):
+        next_anchor = self._get(self._td, "next_anchor", required=False)
+        node = None
+        if self.similarity_threshold is not None:
+            next_texts = self._td.get(self.tensor_keys.next_anchor_text, None)
+            node = F.graph_state_ids(_texts(self._get(self._td, "anchor_text")), group_id, traj_id, step, anchor,
+                                     reward, next_anchor, None if next_texts is None else _texts(next_texts),
+                                     threshold=self.similarity_threshold)
+        return F.graphgpo_advantage(reward, group_id, traj_id, step, anchor, valid, next_anchor=next_anchor, node=node,
+                                    gamma=self.gamma, step_weight=self.step_weight,
+                                    episode_weight=self.episode_weight, normalize_distance=self.normalize_distance,
+                                    invalid_penalty=self.invalid_penalty, norm=self.norm, eps=self.eps,
+                                    score_penalty=self._penalty())
 
 
 class RLOOAdvantage(_RowAdvantage):

@@ -30,7 +30,10 @@ __all__ = [
     "group_normalize",
     "discounted_step_returns",
     "gigpo_advantage",
+    "graph_state_ids",
+    "graphgpo_advantage",
     "grpo_advantage",
+    "hgpo_advantage",
     "rloo_advantage",
     "reinforce_pp_baseline_advantage",
     "grpo_passk_advantage",
@@ -127,9 +130,16 @@ def _pair_ids(ginv: torch.Tensor, kg: int, anchor: torch.Tensor) -> tuple[torch.
     return _dense_1d(ginv * ka + ainv)
 
 
-def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None):
-    """:func:`group_normalize` on dense ids ``inv`` [N] in ``0..k-1``; ``x`` in the accumulation dtype."""
-    ulp = 4 * torch.finfo(value_dtype or x.dtype).eps
+def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None, unbiased=True, zero_at_mean=False,
+               mag=None):
+    """:func:`group_normalize` on dense ids ``inv`` [N] in ``0..k-1``; ``x`` in the accumulation dtype.
+
+    ``unbiased=False``: the population std (HGPO). ``zero_at_mean=True``: every row equal to its
+    set's mean up to rounding gets exactly 0, not only all-equal sets (HGPO drops zero items, so
+    "exactly at the mean" must not depend on the rounding of the mean). ``mag`` [N]: the magnitude
+    of the terms each ``x`` was computed from (default ``|x|``), the scale of "equal up to rounding"
+    when ``x`` is a difference that cancels (``10 * 0.1 ** 2 - 0.1`` is ``1.4e-17``, not 0)."""
+    scale_ulp = 4 * torch.finfo(value_dtype or x.dtype).eps
     zeros = torch.zeros(k, dtype=x.dtype, device=x.device)
     count = torch.bincount(inv, minlength=k).to(x.dtype)
     single = count == 1
@@ -138,12 +148,21 @@ def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None):
     # all-equal when max - min is within a few ulps (of the values' dtype) of its magnitude
     gmax = torch.full((k,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amax")
     gmin = torch.full((k,), torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amin")
-    all_equal = (gmax - gmin) <= ulp * torch.maximum(gmax.abs(), gmin.abs())
+    mag_g = torch.maximum(gmax.abs(), gmin.abs())
+    if mag is not None:
+        mag_g = torch.maximum(mag_g, torch.zeros_like(mag_g).scatter_reduce_(0, inv, mag, "amax"))
+    tol = scale_ulp * mag_g
+    all_equal = (gmax - gmin) <= tol
     zero_set = (all_equal & ~single) | (single & singleton_zero)
-    dev = torch.where(zero_set.index_select(0, inv), 0.0, x - mean.index_select(0, inv))
+    dev = x - mean.index_select(0, inv)
+    zero_row = zero_set.index_select(0, inv)
+    if zero_at_mean:  # |x - mean| within the rounding of the mean (a sum of `count` values) is exactly 0
+        tol = torch.maximum(tol, 4 * count * torch.finfo(x.dtype).eps * mag_g)
+        zero_row = zero_row | ((dev.abs() <= tol.index_select(0, inv)) & ~single.index_select(0, inv))
+    dev = torch.where(zero_row, 0.0, dev)
     if norm == "mean_std":
         sq = zeros.scatter_add(0, inv, dev * dev)
-        std = torch.where(single, 1.0, (sq / (count - 1).clamp_min(1)).sqrt())
+        std = torch.where(single, 1.0, (sq / (count - int(unbiased)).clamp_min(1)).sqrt())
         dev = dev * (1.0 / (std + eps)).index_select(0, inv)
     return dev
 
@@ -174,14 +193,21 @@ def _positions(tinv: torch.Tensor, kt: int, step: torch.Tensor) -> tuple[torch.T
     return pos, t_max
 
 
-def _discounted(r, tinv, kt, step, gamma):
-    pos, t_max = _positions(tinv, kt, step)
+def _discounted(r, tinv, kt, step, gamma, with_magnitude=False, positions=None):
+    """Discounted returns [N]; ``with_magnitude``: also ``sum_k |r_k| gamma**(k - t)`` (the scale of
+    their rounding), as a tuple. ``positions``: :func:`_positions`' result, if already computed."""
+    pos, t_max = positions if positions is not None else _positions(tinv, kt, step)
     flat = tinv * t_max + pos  # row -> cell of the padded [num_traj, T] matrix
     padded = torch.zeros(kt * t_max, dtype=r.dtype, device=r.device).index_copy_(0, flat, r).view(kt, t_max)
+    if with_magnitude:
+        padded = torch.cat([padded, padded.abs()])
     idx = torch.arange(t_max, device=r.device)
     lag = idx[:, None] - idx[None, :]  # lag[k, t] = k - t
     g = torch.where(lag >= 0, torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** lag.clamp_min(0), 0.0)
-    return (padded @ g).view(-1).index_select(0, flat)  # R[:, t] = sum_{k >= t} r[:, k] * gamma**(k - t)
+    out = (padded @ g).view(-1)  # R[:, t] = sum_{k >= t} r[:, k] * gamma**(k - t)
+    if with_magnitude:
+        return out.index_select(0, flat), out.index_select(0, flat + kt * t_max)
+    return out.index_select(0, flat)
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -343,6 +369,223 @@ def gigpo_advantage(
     return (a_episode + omega * a_step).to(reward.dtype)
 
 
+def _traj_matrix(values: torch.Tensor, tinv: torch.Tensor, kt: int, pos: torch.Tensor, t_max: int,
+                 fill: int = -1) -> torch.Tensor:
+    """``values`` [N] scattered into the flat padded ``[num_traj * T]`` matrix (``fill`` elsewhere):
+    cell ``tinv * T + pos`` holds the row at rank ``pos`` of its trajectory."""
+    out = torch.full((kt * t_max,), fill, dtype=values.dtype, device=values.device)
+    return out.index_copy_(0, tinv * t_max + pos, values)
+
+
+def hgpo_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    step: torch.Tensor,
+    anchor: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    history_length: int = 2,
+    gamma: float = 0.95,
+    alpha: float = 1.0,
+    base_group: bool = False,
+    invalid_penalty: float = 0.1,
+    norm: Norm = "mean_std",
+    eps: float = 1e-6,
+    score_penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """HGPO (Hierarchy-of-Groups): the step return normalised in history-context groups of lengths 1..K+1.
+
+    - ``R_t`` = GiGPO's discounted step return (``gamma``), minus ``c * (1 - valid_t)``;
+    - for ``k = 1 .. K + 1`` (``K = history_length``), a row at rank ``s >= k - 1`` of its trajectory
+      joins the group ``(group_id, anchor_{s-k+1}, ..., anchor_s)`` (the anchors of its last ``k``
+      steps); in each group of ``n >= 2`` rows ``a_k = norm(R_t)`` with the **population** std;
+    - items ``(k, a_k)``, with ``(0, A_E)`` first when ``base_group`` (``A_E`` as :func:`grpo_advantage`);
+      items equal to 0 are dropped (all-equal groups, rows at their group's mean); then
+      ``A = sum_k w_k a_k / (sum_k w_k + eps)`` with ``w_k = (k + 1) ** alpha``; no item: ``A = 0``.
+
+    Args: ``reward`` [N] float, ``group_id`` / ``traj_id`` / ``step`` / ``anchor`` [N] int64,
+    ``valid`` [N] bool. ``score_penalty`` enters ``A_E`` only (as :func:`gigpo_advantage`).
+    Returns [N] in ``reward``'s dtype.
+    """
+    _check_norm(norm)
+    if int(history_length) < 0:
+        raise ValueError(f"`history_length` must be >= 0, got {history_length}.")
+    r, valid, s, ginv, kg, tinv, kt = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty,
+                                                         score_penalty)
+    n = r.numel()
+    step = _check_ids("step", step, n)
+    anchor = _check_ids("anchor", anchor, n)
+    if n == 0:
+        return reward.reshape(-1).clone()
+    vd = reward.dtype
+    pos, t_max = _positions(tinv, kt, step)
+    step_return, mag = _discounted(r, tinv, kt, step, gamma, with_magnitude=True, positions=(pos, t_max))
+    penalty = invalid_penalty * (~valid).to(r.dtype)
+    step_return, mag = step_return - penalty, mag + penalty
+    ainv, ka = _dense_1d(anchor)
+    # context keys: (group, anchor_s) first, then (key, anchor_{s-k+1}) level by level; the anchor enters
+    # by its rank among its group's anchors when every anchor value lives in one group (a small key
+    # range: dense ids by bincount, no sort)
+    lo = torch.full((ka,), kg, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amin")
+    hi = torch.full((ka,), -1, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amax")
+    if bool((lo == hi).all()):
+        key, kk = ainv, ka
+        per_group = torch.bincount(lo, minlength=kg)
+        order = torch.argsort(lo, stable=True)
+        local = torch.empty_like(lo)
+        local[order] = torch.arange(ka, device=r.device) - (torch.cumsum(per_group, 0) - per_group).index_select(
+            0, lo.index_select(0, order))
+        code, width = local.index_select(0, ainv), int(per_group.max())
+    else:
+        key, kk = _dense_1d(ginv * ka + ainv)
+        code, width = ainv, ka
+    padded = _traj_matrix(code, tinv, kt, pos, t_max)
+    num = torch.zeros_like(r)
+    den = torch.zeros_like(r)
+    if base_group:
+        a0 = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=vd, zero_at_mean=True)
+        num += a0
+        den += (a0 != 0).to(r.dtype)  # weight (0 + 1) ** alpha = 1
+    rows = torch.arange(n, device=r.device)  # key: the context (group, anchor_s, ..., anchor_{s-k+1}) of `rows`
+    for k in range(1, int(history_length) + 2):
+        if k > 1:
+            keep = pos.index_select(0, rows) >= k - 1
+            rows, key = rows[keep], key[keep]
+            if rows.numel() == 0:
+                break
+            prev = padded.index_select(0, tinv.index_select(0, rows) * t_max + pos.index_select(0, rows) - (k - 1))
+            key, kk = _dense_1d(key * width + prev)
+        a_k = _normalize(step_return.index_select(0, rows), key, kk, norm=norm, eps=eps, singleton_zero=True,
+                         value_dtype=vd, unbiased=False, zero_at_mean=True, mag=mag.index_select(0, rows))
+        w = float(k + 1) ** alpha
+        num.index_add_(0, rows, w * a_k)
+        den.index_add_(0, rows, w * (a_k != 0).to(r.dtype))
+    return (num / (den + eps)).to(reward.dtype)
+
+
+def _graph_distances(u: torch.Tensor, v: torch.Tensor, node_group: torch.Tensor, sinks: torch.Tensor,
+                     kg: int) -> torch.Tensor:
+    """Hop distance [M] of every node to its group's sink over the edges ``u -> v`` [E].
+
+    A BFS from the sinks over the reversed edges, one frontier per iteration (all groups at once:
+    their nodes are disjoint). A node that cannot reach the sink gets ``dmax + 1``, ``dmax`` the
+    largest finite distance of its group's nodes (``0`` when the group has no success: every node 1).
+    """
+    m = node_group.numel()
+    uv = torch.unique(u * m + v)  # parallel edges change no hop count
+    u, v = uv // m, uv % m
+    order = torch.argsort(v, stable=True)  # edges grouped by their head: in-edges of a node are contiguous
+    u, v = u[order], v[order]
+    starts = torch.searchsorted(v, torch.arange(m + 1, device=v.device))
+    dist = torch.full((m,), -1, dtype=torch.long, device=u.device)
+    frontier = sinks
+    dist[frontier] = 0
+    d = 0
+    while frontier.numel():
+        lo, hi = starts.index_select(0, frontier), starts.index_select(0, frontier + 1)
+        cnt = hi - lo
+        if int(cnt.sum()) == 0:
+            break
+        # the in-edges of the frontier: index lo + 0 .. cnt - 1 of each frontier node
+        base = torch.repeat_interleave(lo - (torch.cumsum(cnt, 0) - cnt), cnt)
+        tails = u.index_select(0, base + torch.arange(base.numel(), device=u.device))
+        tails = torch.unique(tails[dist.index_select(0, tails) < 0])
+        d += 1
+        dist[tails] = d
+        frontier = tails
+    dmax = torch.zeros(kg, dtype=torch.long, device=u.device).scatter_reduce_(0, node_group, dist.clamp_min(0), "amax")
+    return torch.where(dist >= 0, dist, dmax.index_select(0, node_group) + 1)
+
+
+def graphgpo_advantage(
+    reward: torch.Tensor,
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    step: torch.Tensor,
+    anchor: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    next_anchor: torch.Tensor | None = None,
+    node: tuple[torch.Tensor, torch.Tensor] | None = None,
+    gamma: float = 0.95,
+    step_weight: float = 1.0,
+    episode_weight: float = 1.0,
+    normalize_distance: bool = False,
+    invalid_penalty: float = 0.1,
+    norm: Norm = "mean_std",
+    eps: float = 1e-6,
+    score_penalty: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """GraphGPO: ``A = w_E * A_E + w_S * A_S`` with the step return read off a state graph per group.
+
+    - the graph of a group has one edge ``anchor -> next state`` per row (all trajectories, failed
+      ones too); the next state of a row is ``next_anchor`` (given) or else the next row's anchor
+      in the trajectory; the last row of a **won** trajectory (episode reward > 0) goes to the
+      group's success sink; the last row of another trajectory without ``next_anchor`` goes to a
+      dead end of its own (no out-edge);
+    - ``d(x)``: hop distance to the sink (BFS); unreachable: ``dmax + 1`` (``dmax`` the group's largest
+      finite distance; no success in the group: every state 1);
+    - ``R_t = 10 * gamma ** d(next)`` (``normalize_distance``: ``10 * gamma ** (d(next) - d(anchor) + 1)``),
+      minus ``c * (1 - valid_t)``;
+    - ``A_S = norm(R_t, rows of the same (group_id, anchor))`` (singleton: 0), ``A_E`` as :func:`grpo_advantage`.
+
+    Args: ``reward`` [N] float, ``group_id`` / ``traj_id`` / ``step`` / ``anchor`` [N] int64, ``valid``
+    [N] bool, ``next_anchor`` [N] int64 (optional). ``node`` (optional): the graph's node ids
+    ``(of the anchor, of the next state)`` [N] int64 when they differ from the anchors (similarity
+    clusters, :func:`graph_state_ids`); the step groups stay the exact ``anchor`` s. ``score_penalty``
+    enters ``A_E`` only. Returns [N] in ``reward``'s dtype.
+    """
+    _check_norm(norm)
+    r, valid, s, ginv, kg, tinv, kt = _scores_and_groups(reward, group_id, traj_id, valid, invalid_penalty,
+                                                         score_penalty)
+    n = r.numel()
+    step = _check_ids("step", step, n)
+    anchor = _check_ids("anchor", anchor, n)
+    next_anchor = None if next_anchor is None else _check_ids("next_anchor", next_anchor, n)
+    if n == 0:
+        return reward.reshape(-1).clone()
+    vd = reward.dtype
+    pos, t_max = _positions(tinv, kt, step)
+    last = pos == (torch.bincount(tinv, minlength=kt) - 1).index_select(0, tinv)
+    won = (torch.zeros(kt, dtype=r.dtype, device=r.device).scatter_add_(0, tinv, r) > 0).index_select(0, tinv)
+    src, dst = (anchor, next_anchor) if node is None else (_check_ids("node", node[0], n),
+                                                           _check_ids("node", node[1], n))
+    if dst is None:  # the next row's state; a last row's is replaced below
+        following = torch.where(last, pos, pos + 1)
+        dst = src.index_select(0, _traj_matrix(torch.arange(n, device=r.device), tinv, kt, pos, t_max)
+                               .index_select(0, tinv * t_max + following))
+    sink = last & won
+    dead = last & ~won if next_anchor is None and node is None else torch.zeros_like(last)
+    real = ~(sink | dead)
+    # node ids: the states of each group (dense over (group, state)), then a sink per group, then a dead
+    # end per trajectory
+    states, _ = _dense_1d(torch.cat([src, dst[real]]))
+    pair, kp = _pair_ids(torch.cat([ginv, ginv[real]]), kg, states)
+    u = pair[:n]
+    v = torch.empty_like(u)
+    v[real] = pair[n:]
+    v[sink] = kp + ginv[sink]
+    v[dead] = kp + kg + tinv[dead]
+    m = kp + kg + kt
+    node_group = torch.empty(m, dtype=torch.long, device=r.device)
+    node_group[u] = ginv
+    node_group[pair[n:]] = ginv[real]
+    node_group[kp:kp + kg] = torch.arange(kg, device=r.device)
+    node_group[kp + kg:] = torch.zeros(kt, dtype=torch.long, device=r.device).scatter_(0, tinv, ginv)
+    dist = _graph_distances(u, v, node_group, kp + torch.arange(kg, device=r.device), kg).to(r.dtype)
+    d_next = dist.index_select(0, v)
+    exponent = d_next - dist.index_select(0, u) + 1 if normalize_distance else d_next
+    step_return = 10.0 * torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** exponent
+    penalty = invalid_penalty * (~valid).to(r.dtype)
+    # step groups: exact (group, anchor) pairs, as GiGPO (the graph's own ids when its states are the anchors)
+    ainv, ka = (u, kp) if node is None else _pair_ids(ginv, kg, anchor)
+    a_step = _normalize(step_return - penalty, ainv, ka, norm=norm, eps=eps, singleton_zero=True, value_dtype=vd,
+                        mag=step_return + penalty)
+    a_episode = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=vd)
+    return (episode_weight * a_episode + step_weight * a_step).to(reward.dtype)
+
+
 def rloo_advantage(
     reward: torch.Tensor,
     group_id: torch.Tensor,
@@ -497,9 +740,10 @@ def similarity_anchor_ids(
     cluster. This is the reference algorithm (same argument order); it is sped up only by exact
     shortcuts: identical texts match at once, and the cheap upper bounds ``real_quick_ratio`` /
     ``quick_ratio`` reject a cluster before the full ratio is computed. The ids are unique across
-    groups, so they can be passed as ``anchor`` to :func:`gigpo_advantage`.
+    groups, so they can be passed as ``anchor`` to :func:`gigpo_advantage`. A ``None`` text (a state
+    whose text is unknown) gets a cluster of its own and is never a representative.
     """
-    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+    if not isinstance(texts, (list, tuple)) or not all(t is None or isinstance(t, str) for t in texts):
         raise TypeError("`texts` must be a list of str.")
     if not 0.0 < threshold <= 1.0:
         raise ValueError(f"`threshold` must be in (0, 1], got {threshold}.")
@@ -511,6 +755,10 @@ def similarity_anchor_ids(
     out = []
     next_id = 0
     for text, gid in zip(texts, gids):
+        if text is None:
+            out.append(next_id)
+            next_id += 1
+            continue
         hit = exact.get((gid, text))
         if hit is None:
             for rep, cid in clusters.get(gid, ()):
@@ -525,3 +773,64 @@ def similarity_anchor_ids(
             exact[(gid, text)] = hit
         out.append(hit)
     return torch.tensor(out, dtype=torch.int64)
+
+
+def graph_state_ids(
+    texts: list[str],
+    group_id: torch.Tensor,
+    traj_id: torch.Tensor,
+    step: torch.Tensor,
+    anchor: torch.Tensor,
+    reward: torch.Tensor,
+    next_anchor: torch.Tensor | None = None,
+    next_texts: list[str | None] | None = None,
+    *,
+    threshold: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GraphGPO's similarity canonicaliser: graph node ids ``(of the anchor, of the next state)`` [N] int64.
+
+    ``texts`` [N] are the anchor texts. The next state of a row is the next row of its trajectory;
+    the last row's is ``"success"`` if the trajectory won (episode ``reward`` > 0), else the state
+    ``next_anchor`` names; its text is ``next_texts`` [N] (the text of each row's next state) when
+    given, else that of a row of the group with that anchor; unknown (no such row, or no
+    ``next_anchor``): a node of its own. The states of each group are clustered as
+    :func:`similarity_anchor_ids` does (greedy, first representative with
+    ``SequenceMatcher.ratio() >= threshold``), visiting them in the reference's order: trajectory by
+    trajectory (``traj_id``), step by step, the row's anchor then its next state. Pass the result as
+    ``node`` to :func:`graphgpo_advantage` (which still sends a won trajectory's last row to the sink).
+    """
+    reward = _check_reward(reward)
+    n = reward.shape[0]
+    if len(texts) != n:
+        raise ValueError(f"`texts` has {len(texts)} entries, expected {n} (the number of rows of `reward`).")
+    group_id = _check_ids("group_id", group_id, n)
+    traj_id = _check_ids("traj_id", traj_id, n)
+    step = _check_ids("step", step, n)
+    anchor = _check_ids("anchor", anchor, n)
+    next_anchor = None if next_anchor is None else _check_ids("next_anchor", next_anchor, n)
+    order = torch.argsort(step, stable=True)
+    order = order[torch.argsort(traj_id[order], stable=True)].tolist()
+    gids, tids, anchors = group_id.tolist(), traj_id.tolist(), anchor.tolist()
+    episode: dict[int, float] = {}
+    for tr, r in zip(tids, reward.tolist()):
+        episode[tr] = episode.get(tr, 0.0) + r
+    text_of = {(g, a): t for g, a, t in zip(gids, anchors, texts)}
+    nexts = next_anchor.tolist() if next_anchor is not None else None
+    seq, seq_groups = [], []
+    for j, i in enumerate(order):
+        follow = order[j + 1] if j + 1 < n and tids[order[j + 1]] == tids[i] else None
+        if follow is not None:
+            nxt = texts[follow]
+        elif episode[tids[i]] > 0:
+            nxt = "success"
+        else:
+            nxt = next_texts[i] if next_texts is not None else (
+                None if nexts is None else text_of.get((gids[i], nexts[i])))
+        seq += [texts[i], nxt]
+        seq_groups += [gids[i], gids[i]]
+    ids = similarity_anchor_ids(seq, seq_groups, threshold=threshold)
+    out = torch.empty(2 * n, dtype=torch.int64)
+    pos = torch.tensor(order, dtype=torch.int64)
+    out[pos] = ids[0::2]
+    out[n + pos] = ids[1::2]
+    return out[:n].to(group_id.device), out[n:].to(group_id.device)

@@ -123,6 +123,14 @@ class AlgorithmConfig:
     kl_target: float = 0.1  # adaptive controller target KL (reference algorithm.kl_ctrl.target_kl)
     kl_horizon: int = 10000  # adaptive controller horizon (reference algorithm.kl_ctrl.horizon)
     similarity_threshold: Optional[float] = None  # GiGPO similarity anchors (reference gigpo.similarity_thresh)
+    # HGPO (reference recipe/hgpo): history-context groups of lengths 1..K+1; K = history_length, null: the
+    # memory's k (0 with memory.kind=none), as the reference's env.history_length
+    history_length: Optional[int] = None
+    length_alpha: float = 1.0  # HGPO length weight (k+1)^alpha (reference algorithm.hgpo.length_weight_alpha)
+    base_group: bool = False  # HGPO: GRPO's episode term as an extra item (reference algorithm.hgpo.base_group)
+    # GraphGPO (reference recipe/GraphGPO): its step weight is `omega` (graphgpo.step_advantage_w)
+    episode_weight: float = 1.0  # weight of the episode term (reference graphgpo.episode_advantage_w)
+    normalize_distance: bool = False  # 10*gamma^(d(next)-d(anchor)+1) (reference graphgpo.normalize_distance)
     dynamic_sampling: bool = False  # DAPO dynamic sampling (reference algorithm.filter_groups.enable)
     max_sampling_tries: int = 10  # collections per batch at most (reference filter_groups.max_num_gen_batches)
     lmbda: float = 1.0  # PPO GAE lambda (reference algorithm.lam); PPO's gamma is `gamma`

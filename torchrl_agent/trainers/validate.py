@@ -39,6 +39,7 @@ _AT_LEAST = {
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
     "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
+    "algorithm.history_length": 0,
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
@@ -47,7 +48,7 @@ _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
-                 "algorithm.grad_clip")
+                 "algorithm.grad_clip", "algorithm.episode_weight")
 
 
 # key -> its valid values
@@ -182,6 +183,9 @@ def _check_algorithm(cfg) -> None:
         raise ConfigError("algorithm.kl_target and algorithm.kl_horizon must be > 0 for kl_ctrl=adaptive")
     if a.similarity_threshold is not None and not 0.0 < a.similarity_threshold <= 1.0:
         raise ConfigError(f"algorithm.similarity_threshold={a.similarity_threshold}: must be in (0, 1] or null")
+    length_alpha = _get(cfg, "algorithm.length_alpha")
+    if length_alpha is not None and not math.isfinite(length_alpha):
+        raise ConfigError(f"algorithm.length_alpha={length_alpha}: must be finite")
     if a.value_clip is not None and not (math.isfinite(a.value_clip) and a.value_clip > 0):
         raise ConfigError(f"algorithm.value_clip={a.value_clip}: must be > 0 (or null: no value clipping)")
     check = ALGORITHM_REGISTRY[a.name].check
