@@ -102,3 +102,41 @@ def test_frames_through_worker_processes():
             a, b = _expert_step(local, a), _expert_step(parallel, b)
     finally:
         parallel.close()
+
+
+def test_tiny_vl_processes_a_frame_and_generates():
+    from torchrl_agent.models.tiny_vl import build_tiny_vl, load_tiny_vl, process_image
+
+    model, processor = load_tiny_vl(build_tiny_vl(seed=0))
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"  # torchvision-free
+    frame = make_env("sokoban", modality="image", seed=0).reset()["pixels"][0].numpy()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "The current room is shown in the image: "},
+                                             {"type": "image"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    image_id = model.config.image_token_id
+
+    def inputs(image):
+        batch = processor(text=[prompt], images=[image], return_tensors="pt")
+        return batch, int((batch["input_ids"] == image_id).sum())
+
+    # the raw 96x96 frame: 84x84, 6x6 patches of 14, merged 2x2: 9 image tokens
+    batch, tokens = inputs(process_image(frame, min_pixels=0))
+    assert batch["image_grid_thw"].tolist() == [[1, 6, 6]] and tokens == 9
+    # the reference's rescale to 256x256: 252x252, 18x18 patches: 81; a 300x300 card table: 22x22, 121
+    batch, tokens = inputs(process_image(frame))
+    assert batch["image_grid_thw"].tolist() == [[1, 18, 18]] and tokens == 81
+    cards = make_env("ezpoints", modality="image", seed=0).reset()["pixels"][0].numpy()
+    assert inputs(process_image(cards))[1] == 121
+    assert batch["pixel_values"].shape == (18 * 18, 3 * 2 * 14 * 14)  # patches x (channels * temporal * 14 * 14)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, batch["input_ids"].shape[1] + 4)
+    # the image reaches the logits: another frame, another next-token distribution
+    other, _ = inputs(process_image(np.zeros_like(frame)))
+    with torch.no_grad():
+        assert not torch.allclose(model(**other).logits[0, -1], logits[0, -1])
