@@ -130,7 +130,7 @@ def _recipe_hash(corpus: list[str], seed: int) -> str:
 
 
 def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
-    """Build (once) and return the folder of the tiny VLM for ``seed`` (seconds on a CPU)."""
+    """Build (once) and return the folder of the tiny VLM for ``seed``."""
     corpus = _vl_corpus()
     folder = cache_dir() / "models" / f"tiny-vl-{_recipe_hash(corpus, seed)}"
     if folder.is_dir() and (folder / "model.safetensors").exists() and not force:
