@@ -19,7 +19,17 @@ key                    shape        meaning
 ``done``, ``terminated``, ``truncated``  ``[B, 1]`` bool, TorchRL conventions
 ``action``             ``[B]`` str  the env command (input)
 ``env_fault``          ``[B, 1]``   bool, the game raised in this step: its episode ends truncated
+``pixels``             ``[B, H, W, 3]``  uint8 frame of the state (``modality="image"`` or ``"both"`` only)
 =====================  ===========  ==========================================================
+
+Modality: ``modality="text"`` (the default) writes the text keys only. ``"image"`` adds ``pixels``,
+each game's frame drawn by :meth:`TextGame.render_image`, and the text says nothing about the state:
+``observation`` is the game's :attr:`~TextGame.VISUAL_OBSERVATION`, a sentence with the image
+placeholder ``<image>`` where the frame goes (the reference's visual templates), and ``task`` its
+:attr:`~TextGame.VISUAL_TASK` where it has one (a sprite legend instead of the text symbols).
+``"both"`` adds ``pixels`` and keeps the text observation. The ``anchor`` is the hash of the text
+state in every modality, so GiGPO groups the same states whatever the policy sees. (The option is
+not called ``observation``: NumberLine's ``observation`` already chooses how its text is written.)
 
 Group seeding: the ``group_size`` games of a group start from the same seed, so they share
 their initial state. Training and evaluation seeds are disjoint: training episodes take even
@@ -43,7 +53,7 @@ import logging
 import math
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -52,12 +62,17 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.data import Bounded, Categorical, Composite, NonTensor, Unbounded
 from torchrl.envs import EnvBase
 
-__all__ = ["TextGame", "GameState", "TextEnv", "checked_step", "clean_text", "stable_hash"]
+__all__ = ["IMAGE_PLACEHOLDER", "MODALITIES", "TextGame", "GameState", "TextEnv", "checked_step", "clean_text",
+           "stable_hash"]
 
 logger = logging.getLogger(__name__)
 
 #: The string keys a TextEnv writes at reset and step.
 TEXT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type")
+#: What a TextEnv shows: the text keys, ``pixels`` with a state-free text, or both.
+MODALITIES = ("text", "image", "both")
+#: Where the frame goes in an image-mode observation (the reference's placeholder).
+IMAGE_PLACEHOLDER = "<image>"
 
 
 def stable_hash(text: str) -> int:
@@ -83,6 +98,7 @@ class GameState:
     expert_action: str = ""
     task_type: str = ""
     anchor: str | None = None  # text that identifies the state; defaults to ``observation``
+    image: np.ndarray | None = None  # uint8 [H, W, 3], set by the env when it shows images
 
 
 class TextGame(abc.ABC):
@@ -91,7 +107,17 @@ class TextGame(abc.ABC):
     Subclasses implement :meth:`reset` and :meth:`step`. Any string is a legal input to
     :meth:`step`: an action the game does not understand is answered (usually as a no-op),
     never raised on.
+
+    A game that can be seen sets :attr:`image_shape` and implements :meth:`render_image`; the env
+    then offers ``modality="image"`` and ``"both"``.
     """
+
+    #: ``(H, W, 3)`` of :meth:`render_image`'s frames; None: the game draws no image.
+    image_shape: tuple[int, int, int] | None = None
+    #: The observation text in image mode: where the frame goes, nothing about the state.
+    VISUAL_OBSERVATION: str = f"The current state is shown in the image: {IMAGE_PLACEHOLDER}"
+    #: The task text in image mode; None: the text mode's task.
+    VISUAL_TASK: str | None = None
 
     @abc.abstractmethod
     def reset(self, seed: int) -> GameState:
@@ -100,6 +126,10 @@ class TextGame(abc.ABC):
     @abc.abstractmethod
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         """Apply ``action``; return ``(state, reward, terminated, success)``."""
+
+    def render_image(self) -> np.ndarray:
+        """The current state as a uint8 ``[H, W, 3]`` RGB frame of :attr:`image_shape`."""
+        raise NotImplementedError(f"{type(self).__name__} draws no image")
 
 
 class TextEnv(EnvBase):
@@ -112,6 +142,8 @@ class TextEnv(EnvBase):
         max_steps: an episode is truncated after this many steps.
         split: ``"train"`` (fresh even seeds every reset) or ``"eval"`` (the fixed odd panel).
         seed: seeds the training seed generator, and offsets the evaluation panel.
+        modality: ``"text"``, ``"image"`` or ``"both"`` (see the module docstring); the images
+            need a game with :attr:`TextGame.image_shape`.
     """
 
     batch_locked = True
@@ -125,6 +157,7 @@ class TextEnv(EnvBase):
         max_steps: int = 50,
         split: Literal["train", "eval"] = "train",
         seed: int = 0,
+        modality: Literal["text", "image", "both"] = "text",
     ):
         if num_groups < 1 or group_size < 1:
             raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups}, {group_size}")
@@ -136,6 +169,8 @@ class TextEnv(EnvBase):
         self.num_groups, self.group_size = num_groups, group_size
         self.max_steps, self.split = max_steps, split
         self.games = [game_factory() for _ in range(num_groups * group_size)]
+        self.modality = modality
+        self.image_shape, self.visual_task, self.visual_observation = visual_setup(self.games[0], modality)
         self._episodes_started = 0  # groups started so far (the eval panel's cursor)
         self._group_seeds = [0] * num_groups
         self._step_count = np.zeros(self.batch_size[0], dtype=np.int64)
@@ -161,6 +196,9 @@ class TextEnv(EnvBase):
             env_fault=Categorical(2, shape=(*B, 1), dtype=torch.bool),
             shape=B,
         )
+        if self.modality != "text":
+            self.observation_spec["pixels"] = Bounded(low=0, high=255, shape=(*B, *self.image_shape),
+                                                      dtype=torch.uint8)
         self.action_spec = NonTensor(shape=B, example_data="", dtype=None)
         self.reward_spec = Unbounded(shape=(*B, 1), dtype=torch.float32)
         self.done_spec = Composite(
@@ -202,7 +240,7 @@ class TextEnv(EnvBase):
             if mask[members].all():  # a whole group restarts on a new task
                 self._group_seeds[g] = self._next_group_seed()
             for i in np.flatnonzero(mask[members]) + g * self.group_size:
-                self._states[i] = self.games[i].reset(self._group_seeds[g])
+                self._states[i] = self.play(self.games[i], "reset", self._group_seeds[g])
                 self._step_count[i] = 0
                 self._done[i] = False
                 self._success[i] = False
@@ -221,13 +259,24 @@ class TextEnv(EnvBase):
                 terminated[i] = True
                 continue
             try:
-                result = checked_step(self.games[i], actions[i])
+                result = self.play(self.games[i], "step", actions[i])
             except Exception as err:  # the game failed: its episode ends here, the batch goes on
                 self._fault(i, err)
                 fault[i] = truncated[i] = self._done[i] = True
                 continue
             self._record_step(i, result, reward, terminated, truncated)
         return self._observation_td(reward, terminated, truncated, fault)
+
+    def play(self, game: TextGame, command: str, argument):
+        """``game.reset(argument)`` (``command="reset"``, returns the state) or ``game.step(argument)``
+        (returns ``(state, reward, terminated, success)``), the state with the game's frame when the
+        env shows images. The env worker processes call it too, so the frame is drawn beside the game."""
+        result = game.reset(argument) if command == "reset" else checked_step(game, argument)
+        if self.modality == "text":
+            return result
+        if command == "reset":
+            return replace(result, image=game.render_image())
+        return (replace(result[0], image=game.render_image()), *result[1:])
 
     def _fault(self, i: int, err: BaseException) -> None:
         """Log and keep the reason game ``i`` failed (its episode is ended by the caller)."""
@@ -249,10 +298,14 @@ class TextEnv(EnvBase):
     def _observation_td(self, reward, terminated, truncated, env_fault=None) -> TensorDictBase:
         B = self.batch_size
         states = self._states
+        task, observation = [s.task for s in states], [s.observation for s in states]
+        if self.modality == "image":  # the text says nothing about the state; the anchor below still does
+            observation = [self.visual_observation] * B[0]
+            task = [self.visual_task] * B[0] if self.visual_task else task
         td = TensorDict(
             {
-                "task": [s.task for s in states],
-                "observation": [s.observation for s in states],
+                "task": task,
+                "observation": observation,
                 "admissible_actions": ["\n".join(s.admissible_actions) for s in states],
                 "expert_action": [s.expert_action for s in states],
                 "task_type": [s.task_type for s in states],
@@ -270,6 +323,9 @@ class TextEnv(EnvBase):
             },
             batch_size=B,
         )
+        if self.modality != "text":  # a game that never drew a frame (none so far) shows black
+            blank = np.zeros(self.image_shape, dtype=np.uint8)
+            td.set("pixels", torch.from_numpy(np.stack([blank if s.image is None else s.image for s in states])))
         if reward is not None:  # reset returns no reward (TorchRL convention)
             td.set("reward", torch.from_numpy(reward).unsqueeze(-1))
         else:  # a placeholder action (""): batched envs (ParallelEnv) expect every non-tensor key at reset
@@ -294,6 +350,18 @@ def checked_step(game: TextGame, action: str) -> tuple:
     if not finite:
         raise ValueError(f"{type(game).__name__}.step returned a non-finite reward {result[1]!r}")
     return result
+
+
+def visual_setup(game: TextGame, modality: str) -> tuple[tuple[int, int, int] | None, str | None, str | None]:
+    """``(image_shape, visual_task, visual_observation)`` of an env showing ``game`` in ``modality``
+    (all None for ``"text"``); raises ``ValueError`` for an unknown modality or a game without images."""
+    if modality not in MODALITIES:
+        raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
+    if modality == "text":
+        return None, None, None
+    if game.image_shape is None:
+        raise ValueError(f"modality={modality!r}: {type(game).__name__} draws no image; use modality='text'")
+    return tuple(game.image_shape), game.VISUAL_TASK, game.VISUAL_OBSERVATION
 
 
 def _as_str_list(value, n: int) -> list[str]:

@@ -20,6 +20,10 @@ of the batch keeps its data. A game whose ``step``/``reset`` raises is handled t
 raises ``RuntimeError`` if it fails again. ``num_restarts`` counts restarts and ``fault_log`` keeps
 the reasons.
 
+Images (``modality="image"`` or ``"both"``): each worker draws its games' frames
+(:meth:`~torchrl_agent.envs.base.TextEnv.play`) and sends them back inside the game states, so the
+main process only stacks them into ``pixels``.
+
 Workers start with ``fork`` by default (fast, and any factory works); ``mp_start_method="spawn"``
 needs a registered name or a picklable module-level factory. The games are plain Python, so the
 workers run no torch code.
@@ -43,7 +47,7 @@ from tensordict import TensorDictBase
 from torchrl.data import Categorical
 from torchrl.envs import EnvBase
 
-from torchrl_agent.envs.base import GameState, TextEnv, _as_str_list, checked_step
+from torchrl_agent.envs.base import MODALITIES, GameState, TextEnv, _as_str_list
 from torchrl_agent.envs.data_files import DataFileError
 from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
 
@@ -94,10 +98,13 @@ def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | 
     """A worker's loop: build the games, then answer ``(command, [(local index, argument)])`` messages."""
     if parent is not None:
         die_with_parent(parent)
+    # one torch thread: a forked child cannot use the parent's OpenMP pool (a big spec, the frames'
+    # ``pixels``, would otherwise hang in its construction), and the games are plain Python anyway
+    torch.set_num_threads(1)
     try:
         env = _build_env(factory, num_games, env_kwargs)
         games = env.games
-        conn.send(("ready", int(env.max_steps)))
+        conn.send(("ready", int(env.max_steps), (env.image_shape, env.visual_task, env.visual_observation)))
     except (DataFileError, FileNotFoundError) as err:  # a bad or missing data file: the parent raises it as is
         conn.send(("error", traceback.format_exc(), err))
         return
@@ -114,7 +121,7 @@ def _worker_main(conn, factory, num_games: int, env_kwargs: dict, parent: int | 
         out = []
         for i, argument in payload:
             try:
-                result = games[i].reset(argument) if command == "reset" else checked_step(games[i], argument)
+                result = env.play(games[i], command, argument)  # a non-finite reward raises (checked_step)
                 out.append((i, result, None))
             except Exception:
                 out.append((i, None, traceback.format_exc(limit=5)))
@@ -147,7 +154,7 @@ class ParallelTextEnv(TextEnv):
             :func:`~torchrl_agent.envs.make_env`), or a callable ``(num_groups=, group_size=, seed=,
             **env_kwargs) -> TextEnv`` that each worker calls to build its games.
         num_workers: worker processes (default ``os.cpu_count()``; at most the batch size).
-        num_groups, group_size, split, seed: as for :class:`TextEnv`; the batch is ``[G * n]``.
+        num_groups, group_size, split, seed, modality: as for :class:`TextEnv`; the batch is ``[G * n]``.
         max_steps: episode length; default: the environment's own default.
         timeout: seconds a worker may take to answer one reset or step before it counts as hung.
         startup_timeout: seconds a worker may take to build its games.
@@ -167,6 +174,7 @@ class ParallelTextEnv(TextEnv):
         max_steps: int | None = None,
         split: Literal["train", "eval"] = "train",
         seed: int = 0,
+        modality: Literal["text", "image", "both"] = "text",
         timeout: float = 60.0,
         startup_timeout: float = 300.0,
         mp_start_method: str = "fork",
@@ -183,6 +191,8 @@ class ParallelTextEnv(TextEnv):
             raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
         if num_workers is not None and num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if modality not in MODALITIES:
+            raise ValueError(f"modality must be one of {MODALITIES}, got {modality!r}")
         if not timeout > 0 or not startup_timeout > 0:
             raise ValueError(f"timeout and startup_timeout must be > 0, got {timeout}, {startup_timeout}")
         if max_steps is not None:
@@ -193,7 +203,10 @@ class ParallelTextEnv(TextEnv):
         EnvBase.__init__(self, batch_size=torch.Size([batch]))
         self.num_groups, self.group_size, self.split = num_groups, group_size, split
         self.timeout, self.startup_timeout = float(timeout), float(startup_timeout)
+        if modality != "text":  # a factory that shows text only need not know the option
+            env_kwargs["modality"] = modality
         self._factory, self._env_kwargs = env_name_or_factory, env_kwargs
+        self.modality = modality
         self._ctx = mp.get_context(mp_start_method)
         self.num_workers = min(num_workers or os.cpu_count() or 1, batch)
         self.num_restarts, self.fault_log = 0, []
@@ -207,8 +220,9 @@ class ParallelTextEnv(TextEnv):
             self._owner[w.indices] = w.rank
             self._local[w.indices] = np.arange(len(w.indices))
         self.is_closed = False
-        reported = self._start(self._workers)
+        reported, visual = self._start(self._workers)
         self.max_steps = max_steps if max_steps is not None else reported
+        self.image_shape, self.visual_task, self.visual_observation = visual  # as the workers' env reports
         self._episodes_started = 0
         self._group_seeds = [0] * num_groups
         self._step_count = np.zeros(batch, dtype=np.int64)
@@ -226,8 +240,9 @@ class ParallelTextEnv(TextEnv):
         self.observation_spec = spec
 
     # ------------------------------------------------------------------ workers
-    def _start(self, workers: list[_Worker]) -> int:
-        """Start ``workers`` (in parallel) and wait until they are ready; return the env's max_steps."""
+    def _start(self, workers: list[_Worker]) -> tuple[int, tuple]:
+        """Start ``workers`` (in parallel) and wait until they are ready; return the env's max_steps and
+        its ``(image_shape, visual_task, visual_observation)``."""
         for w in workers:
             parent, child = self._ctx.Pipe()
             w.process = self._ctx.Process(
@@ -237,7 +252,7 @@ class ParallelTextEnv(TextEnv):
             w.process.start()
             child.close()
             w.conn = parent
-        max_steps = 0
+        max_steps, visual = 0, (None, None, None)
         deadline = time.monotonic() + self.startup_timeout
         for w in workers:
             message = None
@@ -253,8 +268,8 @@ class ParallelTextEnv(TextEnv):
                     raise message[2]  # its one-line message names the file (and the record and field)
                 reason = message[1] if message else "no answer (died or timed out)"
                 raise RuntimeError(f"worker {w.rank} of {self._factory!r} failed to start:\n{reason}")
-            max_steps = message[1]
-        return max_steps
+            max_steps, visual = message[1], message[2]
+        return max_steps, visual
 
     def _restart(self, w: _Worker, reason: str) -> None:
         self.fault_log.append(f"worker {w.rank}: {reason}")

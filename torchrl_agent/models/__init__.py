@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from torchrl_agent.models.hub import hub_cache_dir, resolve_model_path
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
+from torchrl_agent.models.tiny_vl import build_tiny_vl, load_tiny_vl
 
-__all__ = ["build_tiny_model", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir", "load_model", "model_path",
+__all__ = ["build_tiny_model", "build_tiny_vl", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir", "load_model", "load_tiny_vl", "model_path",
            "resolve_model_path"]
 
 

@@ -30,6 +30,13 @@ gives the next token of the first one, in a fixed order, that extends what has b
 when none does (the typed prefix is a dead end). For Blackjack, the basic strategy without doubling
 or splitting (hard totals: stand on 17+, on 13-16 against a dealer 2-6, on 12 against 4-6; soft
 totals: stand on 19+, on 18 against a dealer 2-8; hit otherwise).
+
+Frames (``modality="image"`` or ``"both"``): a 300x300x3 table of white cards with rank and suit
+(:func:`~torchrl_agent.envs.games.images.card_table`): the formula games show the cards and, under
+them, the formula typed so far; Blackjack shows the dealer's cards (the second face down until the
+hand is over), yours, and the outcome once the hand is over. In image mode the observation text only
+says where the image goes. The suits are drawn only: the formula games take them from the dealt
+deck, Blackjack from a second generator of the seed (its ranks are those of text mode).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
+from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, SUITS, card_table
 
 __all__ = [
     "FormulaGame", "EZPointsGame", "Points24Game", "BlackjackGame",
@@ -196,6 +204,9 @@ class FormulaGame(TextGame):
         expert: fill ``expert_action`` from the solver.
     """
 
+    image_shape = (CARD_TABLE_SIZE, CARD_TABLE_SIZE, 3)
+    VISUAL_OBSERVATION = f"The cards and the formula so far are shown in the image: {IMAGE_PLACEHOLDER}"
+
     def __init__(self, num_cards: int, target: int, operators: tuple[str, ...], solvable_only: bool = True,
                  expert: bool = True):
         self.num_cards, self.target, self.operators = num_cards, target, tuple(operators)
@@ -205,6 +216,7 @@ class FormulaGame(TextGame):
             ("(",) if "(" in self.operators else ()
         )
         self.cards: list[str] = []
+        self.suits: list[str] = []  # drawn in the frame only
         self.formula: list[str] = []
 
     @property
@@ -219,6 +231,7 @@ class FormulaGame(TextGame):
         for _ in range(1000):
             deck = rng.permutation(52)[: self.num_cards]  # four suits of 13 ranks, drawn without replacement
             self.cards = [RANKS[int(i) % 13] for i in deck]
+            self.suits = [SUITS[int(i) // 13] for i in deck]
             if not self.solvable_only or self._solutions():
                 break
         self.formula = []
@@ -255,6 +268,9 @@ class FormulaGame(TextGame):
             if solution[: len(typed)] == typed:
                 return solution[len(typed)] if len(solution) > len(typed) else "="
         return ""
+
+    def render_image(self) -> np.ndarray:
+        return card_table([("", list(zip(self.cards, self.suits)))], footer="Formula: " + " ".join(self.formula))
 
     def _state(self) -> GameState:
         formula = " ".join(self.formula) if self.formula else "(empty)"
@@ -310,6 +326,8 @@ class BlackjackGame(TextGame):
     """One Blackjack hand against a dealer who draws to 17 (infinite deck)."""
 
     ACTIONS = ("stand", "hit")
+    image_shape = (CARD_TABLE_SIZE, CARD_TABLE_SIZE, 3)
+    VISUAL_OBSERVATION = f"The dealer's cards and yours are shown in the image: {IMAGE_PLACEHOLDER}"
     TASK = (
         "Play one hand of Blackjack against the dealer. Get closer to 21 than the dealer without going over. "
         "'hit' draws a card, 'stand' ends your turn; the dealer then draws until reaching 17 or more. "
@@ -319,21 +337,27 @@ class BlackjackGame(TextGame):
     def __init__(self, expert: bool = True):
         self.expert = expert
         self.rng = np.random.default_rng(0)
+        self.suit_rng = np.random.default_rng(0)  # the frame's suits: the ranks' draws stay those of text mode
         self.player: list[str] = []
         self.dealer: list[str] = []
+        self.player_suits: list[str] = []
+        self.dealer_suits: list[str] = []
         self.finished, self.outcome = False, ""
 
-    def _draw(self) -> str:
-        return RANKS[int(self.rng.integers(13))]
+    def _draw(self, hand: list[str], suits: list[str]) -> None:
+        hand.append(RANKS[int(self.rng.integers(13))])
+        suits.append(SUITS[int(self.suit_rng.integers(4))])
 
     @staticmethod
     def _values(cards: list[str]) -> list[int]:
         return [card_value(c) for c in cards]
 
     def reset(self, seed: int) -> GameState:
-        self.rng = np.random.default_rng(seed)
-        self.player = [self._draw(), self._draw()]
-        self.dealer = [self._draw(), self._draw()]
+        self.rng, self.suit_rng = np.random.default_rng(seed), np.random.default_rng([seed, 1])
+        self.player, self.dealer, self.player_suits, self.dealer_suits = [], [], [], []
+        for hand, suits in ((self.player, self.player_suits), (self.player, self.player_suits),
+                            (self.dealer, self.dealer_suits), (self.dealer, self.dealer_suits)):
+            self._draw(hand, suits)
         self.finished, self.outcome = False, ""
         return self._state()
 
@@ -342,17 +366,27 @@ class BlackjackGame(TextGame):
         if self.finished or move not in self.ACTIONS:
             return self._state(), 0.0, self.finished, self.outcome == "win"
         if move == "hit":
-            self.player.append(self._draw())
+            self._draw(self.player, self.player_suits)
             if hand_value(self._values(self.player))[0] > 21:
                 self.finished, self.outcome = True, "bust"
             return self._state(), 0.0, self.finished, False
         while hand_value(self._values(self.dealer))[0] < 17:
-            self.dealer.append(self._draw())
+            self._draw(self.dealer, self.dealer_suits)
         mine, theirs = hand_value(self._values(self.player))[0], hand_value(self._values(self.dealer))[0]
         self.outcome = "win" if theirs > 21 or mine > theirs else "draw" if mine == theirs else "lose"
         self.finished = True
         won = self.outcome == "win"
         return self._state(), float(won), True, won
+
+    def render_image(self) -> np.ndarray:
+        def hand(cards, suits):  # a hand set by hand (tests) has no suits: spades
+            return [(card, suits[k] if k < len(suits) else SUITS[0]) for k, card in enumerate(cards)]
+
+        dealer = hand(self.dealer, self.dealer_suits)
+        if not self.finished or self.outcome == "bust":
+            dealer = [dealer[0], None]  # the hole card stays face down
+        footer = {"bust": "Over 21: you lose", "win": "You win", "draw": "Draw", "lose": "You lose"}.get(self.outcome, "")
+        return card_table([("Dealer", dealer), ("You", hand(self.player, self.player_suits))], footer=footer)
 
     def _state(self) -> GameState:
         total = hand_value(self._values(self.player))[0]

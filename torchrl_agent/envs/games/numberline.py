@@ -14,13 +14,18 @@ reward ``invalid_reward`` (default 0: the reference's unparseable action, index 
 Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
 your right.", the offset the way the BabyAI rendering gives its objects: a model reads the move off a
 word). Both describe the same state; only the reading differs.
+
+The frame (``modality="image"`` or ``"both"``): 300x300x3, the line with its ticks, the target a red
+flag and the position a blue marker (:func:`~torchrl_agent.envs.games.images.numberline_frame`); in
+image mode the observation text only says where the image goes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
+from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, numberline_frame
 
 __all__ = ["NumberLineGame", "NumberLineEnv"]
 
@@ -31,6 +36,9 @@ class NumberLineGame(TextGame):
     ACTIONS = ("-", "+")
 
     OBSERVATIONS = ("absolute", "relative")
+    image_shape = (CARD_TABLE_SIZE, CARD_TABLE_SIZE, 3)
+    VISUAL_OBSERVATION = (f"The line is shown in the image, the target as a red flag and your position as a "
+                          f"blue marker: {IMAGE_PLACEHOLDER}")
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute"):
@@ -61,6 +69,9 @@ class NumberLineGame(TextGame):
         if after == 0:
             return self._state(), 1.0, True, True
         return self._state(), (0.0 if after < before else -1.0), False, False
+
+    def render_image(self) -> np.ndarray:
+        return numberline_frame(self.position, self.target, self.max_position)
 
     def _state(self) -> GameState:
         expert = "+" if self.target > self.position else "-" if self.target < self.position else ""

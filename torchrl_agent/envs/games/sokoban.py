@@ -21,6 +21,10 @@ The observation is the grid, one text row per room row::
 ``#`` wall, ``_`` floor, ``O`` target, ``X`` box, ``√`` box on a target, ``P`` player, ``S`` player
 on a target. The anchor (GiGPO's state key) is that grid text.
 
+The frame (``modality="image"`` or ``"both"``): the room as 16-pixel tiles, 96x96x3 for the 6x6
+room (:func:`~torchrl_agent.envs.games.images.sokoban_frame`); in image mode the task gives the tiles'
+legend instead of the symbols and the observation only says where the image goes.
+
 Generation (:func:`generate_room`, fully determined by the seed): a random walk carves a room
 topology out of solid wall (gym-sokoban's masks and direction changes), targets and the player are
 placed on random floor cells with a box on every target, then reverse play (the player *pulls*)
@@ -40,7 +44,8 @@ from collections import deque
 
 import numpy as np
 
-from torchrl_agent.envs.base import GameState, TextEnv, TextGame
+from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
+from torchrl_agent.envs.games.images import TILE, sokoban_frame
 
 __all__ = ["SokobanGame", "SokobanEnv", "generate_room", "solve", "render_room"]
 
@@ -277,6 +282,13 @@ class SokobanGame(TextGame):
         "pull it, and a box against a wall may get stuck. Symbols: # wall, _ floor, O target, X box, "
         "√ box on target, P player, S player on target. Actions: up, down, left, right."
     )
+    VISUAL_TASK = (
+        "You are the player in a Sokoban puzzle. Push every box onto a target; you can push a box but not "
+        "pull it, and a box against a wall may get stuck. The image shows the room as tiles: brown bricks "
+        "are walls, dark grey is floor, a red outlined square is a target, a yellow crate is a box, a green "
+        "crate is a box on a target, the blue figure is you. Actions: up, down, left, right."
+    )
+    VISUAL_OBSERVATION = f"The current room is shown in the image: {IMAGE_PLACEHOLDER}"
 
     def __init__(self, dim: tuple[int, int] = (6, 6), num_boxes: int = 1, search_depth: int = 30, expert: bool = True):
         self.dim, self.num_boxes, self.search_depth, self.expert = tuple(dim), num_boxes, search_depth, expert
@@ -287,6 +299,7 @@ class SokobanGame(TextGame):
         self._plan: list[str] = []
         self._plan_states: list[tuple[Cell, frozenset[Cell]]] = []
         self._plan_start: tuple | None = None  # the state the cached plan starts from
+        self.image_shape = (self.dim[0] * TILE, self.dim[1] * TILE, 3)
 
     def reset(self, seed: int) -> GameState:
         self.walls, self.targets, self.boxes, self.player = generate_room(
@@ -329,6 +342,9 @@ class SokobanGame(TextGame):
     def render(self) -> str:
         return render_room(self.walls, self.targets, self.boxes, self.player, self.dim)
 
+    def render_image(self) -> np.ndarray:
+        return sokoban_frame(self.walls, self.targets, self.boxes, self.player, self.dim)
+
     def _state(self) -> GameState:
         grid = self.render()
         return GameState(
@@ -349,6 +365,8 @@ class SokobanEnv(TextEnv):
         search_depth: reverse-play depth of the generator (default 30).
         expert: fill ``expert_action`` from the BFS solver (default True).
         max_steps: steps per episode (default 15).
+        **kwargs: :class:`~torchrl_agent.envs.base.TextEnv`'s (``modality="image"``: 16-pixel tiles,
+            96x96x3 frames for the 6x6 room).
     """
 
     def __init__(

@@ -1,0 +1,142 @@
+"""Agents that see: image observations (``pixels``) of the games, and the offline tiny VLM."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrl.envs.utils import check_env_specs
+
+from torchrl_agent.envs import GameState, TextEnv, TextGame, make_env
+from torchrl_agent.envs.base import IMAGE_PLACEHOLDER
+from torchrl_agent.envs.games.images import TILE, _tiles
+
+# name -> the frame's shape (the reference's: Sokoban's 6x6 room of 16-px tiles, Gym Cards' 300x300)
+IMAGE_ENVS = {"sokoban": (96, 96, 3), "ezpoints": (300, 300, 3), "points24": (300, 300, 3),
+              "blackjack": (300, 300, 3), "numberline": (300, 300, 3)}
+
+
+def _expert_step(env, td):
+    td["action"] = [a or "up" for a in td["expert_action"]]
+    return env.step(td)["next"]
+
+
+@pytest.mark.parametrize("name", IMAGE_ENVS)
+def test_image_env_specs_and_state_free_text(name):
+    env = make_env(name, num_groups=3, group_size=1, seed=0, modality="image")
+    check_env_specs(env)
+    spec = env.observation_spec["pixels"]
+    assert spec.dtype == torch.uint8 and spec.shape == (3, *IMAGE_ENVS[name])
+    td = env.reset()
+    assert td["pixels"].shape == (3, *IMAGE_ENVS[name]) and td["pixels"].dtype == torch.uint8
+    states = len(set(td["anchor"].tolist()))
+    assert states >= 2  # different states (two deals may share their ranks) ...
+    assert len({bytes(p.numpy()) for p in td["pixels"]}) >= states  # ... different frames ...
+    observations, tasks = list(td["observation"]), list(td["task"])
+    assert len(set(observations)) == 1 and IMAGE_PLACEHOLDER in observations[0]  # ... and one text
+    assert len(set(tasks)) == 1
+
+
+@pytest.mark.parametrize("name", IMAGE_ENVS)
+def test_anchor_and_frames_agree_across_modalities(name):
+    envs = {m: make_env(name, num_groups=2, group_size=2, seed=3, modality=m) for m in ("text", "image", "both")}
+    tds = {m: env.reset() for m, env in envs.items()}
+    for _ in range(3):
+        assert "pixels" not in tds["text"].keys()
+        assert torch.equal(tds["image"]["anchor"], tds["text"]["anchor"])
+        assert torch.equal(tds["both"]["anchor"], tds["text"]["anchor"])
+        assert list(tds["both"]["observation"]) == list(tds["text"]["observation"])  # both: the text as is
+        assert torch.equal(tds["both"]["pixels"], tds["image"]["pixels"])
+        tds = {m: _expert_step(envs[m], td) for m, td in tds.items()}
+
+
+def test_sokoban_frame_draws_the_room():
+    env = make_env("sokoban", num_groups=1, group_size=1, seed=1, modality="image")
+    td = env.reset()
+    game, tiles = env.games[0], _tiles()
+
+    def tile(frame, cell):
+        r, c = cell
+        return frame[r * TILE:(r + 1) * TILE, c * TILE:(c + 1) * TILE]
+
+    def player_tile():
+        return tiles["player_on_target" if game.player in game.targets else "player"]
+
+    before = td["pixels"][0].numpy()
+    assert np.array_equal(tile(before, game.player), player_tile())
+    assert all(np.array_equal(tile(before, w), tiles["wall"]) for w in game.walls)
+    (box,) = game.boxes
+    assert np.array_equal(tile(before, box), tiles["box"])
+    player = game.player
+    td = _expert_step(env, td)
+    after = td["pixels"][0].numpy()
+    assert game.player != player and np.array_equal(tile(after, game.player), player_tile())
+    assert np.array_equal(tile(after, player), tiles["target" if player in game.targets else "floor"])
+
+
+def test_modality_errors():
+    class Blind(TextGame):
+        def reset(self, seed):
+            return GameState("x")
+
+        def step(self, action):
+            return GameState("x"), 0.0, False, False
+
+    with pytest.raises(ValueError, match="Blind draws no image"):
+        TextEnv(Blind, modality="image")
+    with pytest.raises(ValueError, match="modality must be one of"):
+        make_env("sokoban", modality="video")
+    assert "pixels" not in TextEnv(Blind).reset().keys()
+
+
+def test_frames_through_worker_processes():
+    kwargs = dict(num_groups=2, group_size=2, seed=5, modality="image")
+    local = make_env("blackjack", **kwargs)  # first: a forked worker must still build its big `pixels` spec
+    parallel = make_env("blackjack", num_workers=2, startup_timeout=30, **kwargs)
+    try:
+        assert parallel.observation_spec["pixels"].shape == local.observation_spec["pixels"].shape
+        a, b = local.reset(), parallel.reset()
+        for _ in range(2):
+            assert torch.equal(a["pixels"], b["pixels"]) and torch.equal(a["anchor"], b["anchor"])
+            assert list(a["observation"]) == list(b["observation"])
+            a, b = _expert_step(local, a), _expert_step(parallel, b)
+    finally:
+        parallel.close()
+
+
+def test_tiny_vl_processes_a_frame_and_generates():
+    from torchrl_agent.models.tiny_vl import build_tiny_vl, load_tiny_vl, process_image
+
+    model, processor = load_tiny_vl(build_tiny_vl(seed=0))
+    assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"  # torchvision-free
+    frame = make_env("sokoban", modality="image", seed=0).reset()["pixels"][0].numpy()
+    messages = [{"role": "user", "content": [{"type": "text", "text": "The current room is shown in the image: "},
+                                             {"type": "image"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>" in prompt and prompt.endswith("<|im_start|>assistant\n")
+    image_id = model.config.image_token_id
+
+    def inputs(image):
+        batch = processor(text=[prompt], images=[image], return_tensors="pt")
+        return batch, int((batch["input_ids"] == image_id).sum())
+
+    # the raw 96x96 frame: 84x84, 6x6 patches of 14, merged 2x2: 9 image tokens
+    batch, tokens = inputs(process_image(frame, min_pixels=0))
+    assert batch["image_grid_thw"].tolist() == [[1, 6, 6]] and tokens == 9
+    # the reference's rescale to 256x256: 252x252, 18x18 patches: 81; a 300x300 card table: 22x22, 121
+    batch, tokens = inputs(process_image(frame))
+    assert batch["image_grid_thw"].tolist() == [[1, 18, 18]] and tokens == 81
+    cards = make_env("ezpoints", modality="image", seed=0).reset()["pixels"][0].numpy()
+    assert inputs(process_image(cards))[1] == 121
+    assert batch["pixel_values"].shape == (18 * 18, 3 * 2 * 14 * 14)  # patches x (channels * temporal * 14 * 14)
+    with torch.no_grad():
+        logits = model(**batch).logits
+    assert logits.shape == (1, batch["input_ids"].shape[1], model.config.text_config.vocab_size)
+    assert torch.isfinite(logits).all()
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=4, do_sample=False)
+    assert out.shape == (1, batch["input_ids"].shape[1] + 4)
+    # the image reaches the logits: another frame, another next-token distribution
+    other, _ = inputs(process_image(np.zeros_like(frame)))
+    with torch.no_grad():
+        assert not torch.allclose(model(**other).logits[0, -1], logits[0, -1])
