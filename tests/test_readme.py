@@ -69,6 +69,8 @@ NOT_RUN = {
     ".venv/bin/torchrl-agent train env=sokoban env.template=reference env.action_format=reference":
         "a full Sokoban run (minutes); tests/test_reference_mode.py checks the reference mode",
     "python -m pytest -q tests/test_layers.py": "a test of the suite, run by the suite itself",
+    ".venv/bin/python benchmarks/update_diagnosis.py --seeds 11895 63457 91689 12975 --set algorithm.max_kl=null --out runs/diag_base":
+        "four quick-start runs (minutes each); tests/test_learning.py runs its trainer on one update",
     'python my_train.py "hydra.searchpath=[file://$PWD/my_configs]" experiment=smoke algorithm=toy':
         "the reader's own script; tests/test_toy_algorithm.py trains the same toy algorithm",
     "python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0":
