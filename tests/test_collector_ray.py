@@ -51,11 +51,18 @@ def cluster():
 
 def test_the_cluster_the_project_starts_runs_no_dashboard_and_takes_calls_only_with_its_token(cluster):
     """Ray's gRPC servers listen on every interface (Ray 2.60 has no loopback-only option): the
-    cluster a collector starts has no dashboard (no web UI, no Jobs API) and token authentication on."""
+    cluster a collector starts has no dashboard UI and no Jobs API (Ray 2.60 still runs a minimal
+    dashboard head for its usage statistics: on 127.0.0.1, frontend disabled, that module alone) and
+    token authentication on."""
     from ray._private import ray_constants
     from ray._raylet import AuthenticationMode, get_authentication_mode
 
-    assert ray_constants.PROCESS_TYPE_DASHBOARD not in ray._private.worker.global_worker.node.all_processes
+    node = ray._private.worker.global_worker.node
+    assert not node.address_info.get("webui_url")
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_DASHBOARD, []):
+        args = info.process.args
+        assert "--disable-frontend" in args and "--host=127.0.0.1" in args, args
+        assert "--modules-to-load=UsageStatsHead" in args, args  # no JobHead: no Jobs API
     assert get_authentication_mode() == AuthenticationMode.TOKEN
 
 

@@ -61,7 +61,9 @@ logger = logging.getLogger("torchrl_agent")
 
 def start_local_ray(**kwargs) -> None:
     """``ray.init(**kwargs)`` of the local cluster a collector starts when none is running: without
-    the dashboard (``include_dashboard=False``: no web UI, whose Jobs API runs code), and with Ray's
+    the dashboard (``include_dashboard=False``: no web UI and no Jobs API, which runs code; Ray 2.60
+    still starts a minimal dashboard head for its usage statistics, on 127.0.0.1, frontend
+    disabled), and with Ray's
     token authentication, which Ray 2.60 (the version required) turns on for a cluster that
     ``ray.init`` starts unless ``RAY_AUTH_MODE`` says otherwise (then a warning). Ray's own gRPC
     servers (GCS, raylet, workers) listen on every interface whatever is asked (Ray 2.60 has no
