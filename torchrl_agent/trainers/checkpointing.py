@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
-           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "prune_checkpoints", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
+           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "fsync_path", "prune_checkpoints", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
            "write_checkpoint"]
 
 logger = logging.getLogger("torchrl_agent")
@@ -132,10 +132,12 @@ def checksum(state: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------- write
-def _fsync_dir(folder: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """``fsync`` a file or a folder, if it can be opened (a missing file, or a platform without
+    directory file descriptors: nothing)."""
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # a platform without directory file descriptors
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
         return
     try:
         os.fsync(fd)
@@ -175,7 +177,7 @@ def write_checkpoint(state: dict, path: str | Path, *, kept: str = "") -> int:
         text = str(cause).splitlines()[0] if str(cause) else ""
         raise CheckpointError(f"writing {path} failed ({type(cause).__name__}: {text}); {free} (disk full?)"
                               + (f"; {kept}" if kept else "")) from err
-    _fsync_dir(path.parent)
+    fsync_path(path.parent)
     return path.stat().st_size
 
 

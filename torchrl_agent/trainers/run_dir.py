@@ -224,20 +224,6 @@ def records_digest(records: list[dict]) -> str:
     return digest.hexdigest()
 
 
-def sync_metrics(run_dir: Path) -> None:
-    """``fsync`` ``RUN_DIR/metrics.jsonl`` (before a checkpoint that relies on its lines is written)."""
-    try:
-        fd = os.open(run_dir / "metrics.jsonl", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def checkpoint_history(path: Path, state: dict) -> list[dict]:
     """The metrics records checkpoint ``path`` (its ``state``) was written after: its own
     ``"history"`` (an earlier version's checkpoint), else the lines of ``metrics.jsonl`` of its run

@@ -63,6 +63,7 @@ from torchrl_agent.trainers.checkpointing import (
     CheckpointError,
     check_model_state,
     check_resume_config,
+    fsync_path,
     numpy_state,
     plain_numpy_state,
     prune_checkpoints,
@@ -106,7 +107,6 @@ from torchrl_agent.trainers.run_dir import (
     open_metrics,
     open_tensorboard,
     records_digest,
-    sync_metrics,
 )
 from torchrl_agent.trainers.validate import validate_config
 
@@ -497,7 +497,7 @@ class Trainer:
             "evals": [list(e) for e in self.evals], "config": dataclasses.asdict(self.cfg),
             "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
-        sync_metrics(self.run_dir)
+        fsync_path(self.run_dir / "metrics.jsonl")  # the lines the checkpoint's history digest relies on
         write_checkpoint(state, path, kept=kept)
         self.last_checkpoint = path
         return path
