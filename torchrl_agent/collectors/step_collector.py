@@ -4,9 +4,9 @@ Each call to :meth:`StepCollector.collect` runs one episode in every environment
 (``num_groups * group_size``; the games of a group share their initial state) and returns one
 **row per step** (``N = sum of episode lengths``) as a ``LazyStackedTensorDict`` ``[N]`` with the
 keys of the data contract (the README's "The data contract"): the step's input (``task``, ``observation``,
-``admissible_actions``, ``anchor``, ``memory``, ``step_count``, ``("text", "prompt")``), the
-policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
-``("tokens", "response")``, ``("log_probs", "response")``), the projection (``action``,
+``admissible_actions``, ``anchor``, ``memory``, ``step_count``, ``("text", "prompt")``, and
+``pixels`` in an image env), the policy's output (``("text", "response")``, ragged ``("tokens", "prompt")``,
+``("tokens", "response")``, ``("log_probs", "response")``; a VLM's ``image_tokens``), the projection (``action``,
 ``action_valid``, ``response_cut``), the outcome (``reward``, ``done``, ``terminated``,
 ``truncated``, ``success``, ``next_anchor``: the anchor of the observation the step returned) and the
 ids (``group_id``, ``traj_id``). The env's
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 #: Keys of the step's input copied into its row.
 _INPUT_KEYS = ("task", "observation", "admissible_actions", "expert_action", "task_type", "anchor", "memory",
-               "step_count", ("text", "prompt"))
+               "step_count", ("text", "prompt"), "pixels")
 _OUTCOME_KEYS = ("reward", "done", "terminated", "truncated", "success", "worker_fault", "env_fault", "task_score")
 #: The projection's keys: in the step's output (the env's projection), or in its input (``projection``).
 _PARSED_KEYS = ActionProjection.parsed_keys
@@ -216,7 +216,7 @@ class StepCollector(BaseCollector):
                 if not running.any():
                     break
             active = torch.arange(n) if self.lockstep else running.nonzero().squeeze(-1)
-            request = td[active].select(("text", "prompt"))
+            request = td[active].select(*self.policy.in_keys)  # the prompts (and a VLM's `pixels`)
             request["request_seed"] = request_seeds(self.seed, traj_id[active], td["step_count"][active])
             out = self.policy(request)
             gen_slots += len(active)
@@ -243,6 +243,7 @@ class StepCollector(BaseCollector):
                     row["truncated"] = torch.ones(1, dtype=torch.bool)
                     row["done"] = torch.ones(1, dtype=torch.bool)
                 row.update(out[j].select("tokens", "log_probs", "prompt_too_long", "cached_tokens"))
+                row.update(out[j].select("image_tokens", strict=False))  # a VLM engine's
                 row["group_id"] = group_id[i]
                 row["traj_id"] = traj_id[i]
                 # the token ledger: what this step cost

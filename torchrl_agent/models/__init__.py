@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from torchrl_agent.models.hub import hub_cache_dir, resolve_model_path
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
-from torchrl_agent.models.tiny_vl import build_tiny_vl, load_tiny_vl
+from torchrl_agent.models.tiny_vl import build_tiny_vl, load_processor, load_tiny_vl
 
-__all__ = ["build_tiny_model", "build_tiny_vl", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir", "load_model", "load_tiny_vl", "model_path",
-           "resolve_model_path"]
+__all__ = ["build_tiny_model", "build_tiny_vl", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir",
+           "is_vision_model", "load_model", "load_processor", "load_tiny_vl", "model_path", "resolve_model_path"]
 
 
 def model_path(cfg) -> str:
@@ -18,11 +18,21 @@ def model_path(cfg) -> str:
         return str(resolve_model_path(cfg.path))
     if cfg.name in ("tiny", "tiny-large"):
         return str(build_tiny_model(seed=cfg.seed, size=cfg.name))
+    if cfg.name == "tiny-vl":
+        return str(build_tiny_vl(seed=cfg.seed))
     if cfg.name == "smollm2-135m":
         from torchrl_agent.models.smollm2 import build_smollm2
 
         return str(build_smollm2())
-    raise ValueError(f"model.name: unknown model {cfg.name!r}; use tiny, tiny-large, smollm2-135m, or set model.path")
+    raise ValueError(f"model.name: unknown model {cfg.name!r}; use tiny, tiny-large, tiny-vl, smollm2-135m, or set "
+                     "model.path")
+
+
+def is_vision_model(path) -> bool:
+    """Whether the model folder ``path`` holds a vision-language model (its config has a ``vision_config``)."""
+    from transformers import AutoConfig
+
+    return hasattr(AutoConfig.from_pretrained(path), "vision_config")
 
 
 def compute_dtype(cfg):
@@ -39,14 +49,16 @@ def compute_dtype(cfg):
 def load_model(cfg, *, dtype=None):
     """Return ``(model, tokenizer)`` for a model config, with weights in ``dtype`` (default: the
     compute dtype ``cfg.dtype``; the trainer passes ``torch.float32`` for its master weights)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     path = model_path(cfg)
     compute = compute_dtype(cfg)  # validated even when the weights are loaded in another dtype
     tokenizer = AutoTokenizer.from_pretrained(path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or compute)
+    # a VLM (tiny-vl, Qwen2-VL, Qwen2.5-VL) is an image-text-to-text model; its processor: load_processor(path)
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    model = auto.from_pretrained(path, dtype=dtype or compute)
     if getattr(cfg, "gradient_checkpointing", False):
         enable_gradient_checkpointing(model)
     return model, tokenizer

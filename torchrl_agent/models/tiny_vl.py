@@ -37,8 +37,8 @@ from pathlib import Path
 
 from torchrl_agent.models.tiny import VOCAB_SIZE, _train_tokenizer, cache_dir, save_model_folder, tiny_corpus
 
-__all__ = ["TINY_VL_TEXT", "TINY_VL_VISION", "VISION_TOKENS", "image_only_processor", "build_tiny_vl", "load_tiny_vl",
-           "process_image"]
+__all__ = ["TINY_VL_TEXT", "TINY_VL_VISION", "VISION_TOKENS", "image_only_processor", "build_tiny_vl", "load_processor",
+           "load_tiny_vl", "process_image"]
 
 #: Qwen2.5-VL text hyper-parameters (``vocab_size`` is set from the tokenizer).
 TINY_VL_TEXT = dict(
@@ -164,13 +164,23 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
     return save_model_folder(model, processor, folder)
 
 
-def load_tiny_vl(folder: str | Path, *, dtype=None):
-    """``(model, processor)`` from a :func:`build_tiny_vl` folder (``dtype`` default float32)."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+def load_processor(folder: str | Path):
+    """The image-only processor (:func:`image_only_processor`) of a Qwen2-VL or Qwen2.5-VL folder:
+    its tokenizer and its image processor's settings read by the torchvision-free
+    ``Qwen2VLImageProcessorPil`` (``AutoProcessor`` would need torchvision for the video processor)."""
+    from transformers import AutoTokenizer
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    processor = image_only_processor(Qwen2VLImageProcessorPil.from_pretrained(folder), tokenizer, tokenizer.chat_template)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return image_only_processor(Qwen2VLImageProcessorPil.from_pretrained(folder), tokenizer, tokenizer.chat_template)
+
+
+def load_tiny_vl(folder: str | Path, *, dtype=None):
+    """``(model, processor)`` from a :func:`build_tiny_vl` folder (``dtype`` default float32)."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(folder, dtype=dtype or torch.float32)
-    return model, processor
+    return model, load_processor(folder)

@@ -166,6 +166,12 @@ class ResponseLogProbs(TensorDictModuleBase):
         self.chunk_tokens = chunk_tokens
         self.out_keys = [log_prob_key, "mask"] + (["entropy"] if with_entropy else [])
 
+    def _model_inputs(self, rows: TensorDictBase, batch: dict[str, torch.Tensor]) -> dict:
+        """The model's keyword arguments besides ``input_ids`` and ``attention_mask`` for the padded
+        ``batch`` (:func:`pad_rows`, on the model's device) of ``rows``: none for a causal LM; a VLM's
+        image inputs and M-RoPE positions (:class:`~torchrl_agent.modules.VisionResponseLogProbs`)."""
+        return {}
+
     def forward(self, rows: TensorDictBase) -> TensorDictBase:
         device = next(self.model.parameters()).device  # outputs live on the model's device
         batch = {k: v.to(device) for k, v in pad_rows(rows, self.pad_token_id).items()}
@@ -177,8 +183,9 @@ class ResponseLogProbs(TensorDictModuleBase):
         head = ChunkedResponseHead(self.model.get_output_embeddings(), (row, position), targets,
                                    temperature=self.temperature, chunk_tokens=self.chunk_tokens,
                                    with_entropy=self.with_entropy)
+        extra = self._model_inputs(rows, batch)
         with head.swapped_into(self.model):
-            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [M, 2]
+            out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits
         if head.calls != 1:
             raise RuntimeError(f"{type(self.model).__name__} did not call its output embeddings module once "
                                f"(called {head.calls} times): ResponseLogProbs cannot stand in for its LM head")

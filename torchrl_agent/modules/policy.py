@@ -83,12 +83,18 @@ class LLMPolicy(TensorDictModuleBase, abc.ABC):
         """Response text; invalid UTF-8 byte sequences become U+FFFD, never an error."""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _generate_inputs(self, tensordict: TensorDictBase) -> dict:
+        """Keyword arguments of :meth:`generate` read from the batch besides the prompts (none here;
+        a VLM's frames: :class:`~torchrl_agent.modules.VisionPolicy`)."""
+        return {}
+
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
         n = tensordict.batch_size[0]
         prompts = tensordict.get(("text", "prompt"))
         prompts = [prompts] * n if isinstance(prompts, str) else list(prompts.tolist())
         seeds = tensordict.get("request_seed", None) if self.accepts_request_seeds else None
-        generations = self.generate(prompts) if seeds is None else self.generate(prompts, seeds=seeds.tolist())
+        kwargs = self._generate_inputs(tensordict) | ({} if seeds is None else {"seeds": seeds.tolist()})
+        generations = self.generate(prompts, **kwargs)
         rows = [
             TensorDict({
                 "prompt": torch.tensor(g.prompt_ids, dtype=torch.int64),

@@ -46,7 +46,12 @@ class TransformersPolicy(LLMPolicy):
             self.max_prompt_tokens = getattr(model.config, "max_position_embeddings", 4096) - self.max_new_tokens
 
     def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
-        encoded = [self.encode(p) for p in prompts]
+        return self._generate_encoded([self.encode(p) for p in prompts], seeds)
+
+    def _generate_encoded(self, encoded: list[list[int]], seeds: list[int] | None = None,
+                          inputs: list | None = None) -> list[Generation]:
+        """:meth:`generate` over token id lists; ``inputs[i]`` (optional) is prompt ``i``'s extra model
+        input, handed per batch to :meth:`_prefill` (a VLM's image: :class:`VisionPolicy`)."""
         out = [Generation(ids, prompt_too_long=len(ids) > self.max_prompt_tokens) for ids in encoded]
         todo = [i for i, g in enumerate(out) if not g.prompt_too_long]
         if seeds is not None:  # one prompt at a time, each from its own seed
@@ -57,7 +62,8 @@ class TransformersPolicy(LLMPolicy):
             with torch.random.fork_rng(devices=self._rng_devices(), enabled=seeds is not None):
                 if seeds is not None:
                     torch.manual_seed(int(seeds[chunk[0]]))
-                results = self._generate_batch([encoded[i] for i in chunk])
+                results = self._generate_batch([encoded[i] for i in chunk],
+                                               None if inputs is None else [inputs[i] for i in chunk])
             for i, (ids, lps) in zip(chunk, results):
                 out[i].response_ids, out[i].log_probs, out[i].text = ids, lps, self.decode(ids)
         return out
@@ -75,8 +81,14 @@ class TransformersPolicy(LLMPolicy):
         torch.cuda.empty_cache()
         return True
 
+    def _prefill(self, input_ids: torch.Tensor, attention: torch.Tensor, inputs: list | None) -> tuple[torch.Tensor, dict]:
+        """The prompt forward's position ids and extra keyword arguments, for the left-padded
+        ``input_ids`` ``[b, L]`` and ``attention`` ``[b, L]``: text positions ``[b, L]`` counted over
+        the attended tokens, no extra input. Each later step's positions are the last ones + 1."""
+        return (attention.cumsum(-1) - 1).masked_fill_(attention == 0, 1), {}
+
     @torch.no_grad()
-    def _generate_batch(self, batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    def _generate_batch(self, batch: list[list[int]], inputs: list | None = None) -> list[tuple[list[int], list[float]]]:
         """Sample up to ``max_new_tokens`` for each prompt of ``batch`` (token id lists), scoring each
         token as it is drawn: ``[b]`` log-probs per step, never the ``[b, t, V]`` logits of a call.
 
@@ -96,7 +108,7 @@ class TransformersPolicy(LLMPolicy):
             input_ids[row, width - len(ids):] = torch.tensor(ids)
             attention[row, width - len(ids):] = 1
         input_ids, attention = input_ids.to(device), attention.to(device)
-        positions = (attention.cumsum(-1) - 1).masked_fill_(attention == 0, 1)
+        positions, prefill = self._prefill(input_ids, attention, inputs)
         sample = self.temperature > 0
         temperature = self.temperature if sample else 1.0
         tokens = torch.full((n, self.max_new_tokens), pad, dtype=torch.long, device=device)
@@ -106,7 +118,8 @@ class TransformersPolicy(LLMPolicy):
         with _inference_mode(self.model):
             for t in range(self.max_new_tokens):
                 out = self.model(input_ids=step_ids, attention_mask=attention, position_ids=positions,
-                                 past_key_values=cache, use_cache=True, **self._last_logit_only)
+                                 past_key_values=cache, use_cache=True, **self._last_logit_only, **prefill)
+                prefill = {}  # the prompt's extra inputs (an image) are in the KV cache now
                 cache = out.past_key_values
                 scores = out.logits[:, -1, :].float() / temperature  # [b, V], this step only
                 del out
@@ -123,7 +136,7 @@ class TransformersPolicy(LLMPolicy):
                     break
                 step_ids = token[:, None]
                 attention = torch.cat([attention, attention.new_ones(n, 1)], dim=-1)
-                positions = positions[:, -1:] + 1
+                positions = positions[..., -1:] + 1  # [b, 1] (or M-RoPE's [3, b, 1])
         tokens, log_probs = tokens[:, :steps].tolist(), log_probs[:, :steps].tolist()
         results = []
         for ids, lps in zip(tokens, log_probs):

@@ -33,7 +33,7 @@ class EnvConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"  # tiny | smollm2-135m | hf (then `path` is required)
+    name: str = "tiny"  # tiny | tiny-large | tiny-vl | smollm2-135m | hf (then `path` is required)
     path: Optional[str] = None  # a local Hugging Face folder or a hub name
     seed: int = 0  # the tiny model's initialisation seed
     dtype: str = "float32"
