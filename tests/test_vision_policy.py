@@ -1,0 +1,129 @@
+"""The VLM engine and scorer on the tiny VLM: prompts with the frame, generation log-probs that the
+scorer recomputes, gradients into the vision tower, image rows through the step collector."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import NonTensorStack, TensorDict, lazy_stack
+from torchrl.envs import Compose, TransformedEnv
+
+from torchrl_agent.collectors import StepCollector
+from torchrl_agent.envs import make_env
+from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
+from torchrl_agent.envs.transforms.projection import project_action
+from torchrl_agent.modules import VisionPolicy, VisionResponseLogProbs
+from torchrl_agent.modules.vision import expand_image, image_inputs
+
+
+@pytest.fixture(scope="module")
+def vl():
+    from torchrl_agent.models import build_tiny_vl, load_tiny_vl
+
+    model, processor = load_tiny_vl(build_tiny_vl(seed=0))
+    return model.eval(), processor
+
+
+def image_request(processor, n, seed=0):
+    """``n`` Sokoban frames with chat prompts of different lengths (left padding in the batch)."""
+    td = make_env("sokoban", num_groups=n, group_size=1, seed=seed, modality="image").reset()
+    prompts = [processor.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Push the box. " * (i + 1) + td["observation"][i]}],
+        tokenize=False, add_generation_prompt=True) for i in range(n)]
+    return TensorDict({"text": {"prompt": NonTensorStack(*prompts)}, "pixels": td["pixels"]}, [n])
+
+
+def test_generation_log_probs_equal_the_scorer_and_the_image_counts(vl):
+    model, processor = vl
+    policy = VisionPolicy(model, processor, max_new_tokens=10, temperature=1.0)  # the reference's bounds
+    torch.manual_seed(0)
+    td = policy(image_request(processor, 3))
+    image_id = model.config.image_token_id
+    assert td["image_tokens"].tolist() == [[81]] * 3  # 96x96 -> 256x256 -> 252x252: 18x18 patches, 2x2 merged
+    for i in range(3):
+        expected = processor.tokenizer(expand_image(td[i]["text", "prompt"], 81), add_special_tokens=False)
+        assert td[i]["tokens", "prompt"].tolist() == expected["input_ids"]
+        assert int((td[i]["tokens", "prompt"] == image_id).sum()) == 81
+        assert len(td[i]["log_probs", "response"]) == len(td[i]["tokens", "response"]) > 0
+    rows = lazy_stack(list(td.unbind(0)))
+    scorer = VisionResponseLogProbs(model, processor)
+    with torch.no_grad():
+        scored = scorer(rows.clone())
+    sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
+    torch.testing.assert_close(scored["log_prob"], sampled * scored["mask"], atol=1e-5, rtol=0)
+    # the frame reaches the log-probs: other frames, other values
+    blank = rows.clone()
+    blank["pixels"] = torch.zeros_like(rows["pixels"])
+    with torch.no_grad():
+        other = scorer(blank)["log_prob"]
+    assert (other - scored["log_prob"]).abs().max() > 1e-3
+    # frames that give another image token count than the prompt holds are refused
+    with pytest.raises(ValueError, match="image tokens"), torch.no_grad():
+        VisionResponseLogProbs(model, processor, min_pixels=0)(rows.clone())
+
+
+def test_scorer_equals_the_models_own_forward(vl):
+    model, processor = vl
+    frame = make_env("numberline", modality="image", seed=1).reset()["pixels"][0]
+    vision = image_inputs(processor, [frame], min_pixels=0)  # 300x300 -> 308x308: 22x22 patches, 121 tokens
+    prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": "Where? <image>"}], tokenize=False,
+                                                     add_generation_prompt=True)
+    prompt_ids = processor.tokenizer(expand_image(prompt, 121), add_special_tokens=False)["input_ids"]
+    response = processor.tokenizer("<think>x</think><action>+</action>", add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([prompt_ids + response])
+    with torch.no_grad():  # transformers' own path: it derives the M-RoPE positions itself
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(), **vision).logits
+        own = F.log_softmax(logits[0, len(prompt_ids) - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+        row = TensorDict({"tokens": {"prompt": torch.tensor(prompt_ids), "response": torch.tensor(response)},
+                          "pixels": frame})
+        scored = VisionResponseLogProbs(model, processor, min_pixels=0)(lazy_stack([row]))
+    torch.testing.assert_close(scored["log_prob"][0], own, atol=1e-5, rtol=0)
+
+
+def test_scorer_gradients_reach_the_vision_tower_and_the_language_model(vl):
+    model, processor = vl
+    torch.manual_seed(1)
+    rows = lazy_stack(list(VisionPolicy(model, processor, max_new_tokens=6, min_pixels=0)(
+        image_request(processor, 2, seed=4)).unbind(0)))
+    model.zero_grad()
+    out = VisionResponseLogProbs(model, processor, min_pixels=0)(rows)
+    (out["log_prob"] * out["mask"]).sum().backward()
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad()
+    for prefix in ("model.visual.patch_embed.", "model.visual.blocks.0.", "model.visual.merger.",
+                   "model.language_model.layers.0.", "model.language_model.layers.1.", "model.language_model.embed_tokens."):
+        mine = [g for name, g in grads.items() if name.startswith(prefix)]
+        assert mine and all(g is not None and torch.isfinite(g).all() for g in mine), prefix
+        assert sum(float(g.abs().sum()) for g in mine) > 0, prefix
+
+
+def test_image_episodes_through_the_step_collector(vl):
+    model, processor = vl
+    tokenizer = processor.tokenizer
+
+    def collect():
+        env = TransformedEnv(make_env("sokoban", num_groups=2, group_size=1, max_steps=3, modality="image"),
+                             Compose(WindowMemory(2), PromptTransform(tokenizer, "sokoban"), ActionProjection()))
+        policy = VisionPolicy(model, processor, max_new_tokens=8, min_pixels=0)
+        return StepCollector(env, policy, seed=0).collect()
+
+    rows = collect()
+    n = rows.batch_size[0]
+    assert n == 6  # 2 episodes of 3 steps (the random model never solves the room)
+    assert rows["pixels"].shape == (n, 96, 96, 3) and rows["pixels"].dtype == torch.uint8
+    assert rows["image_tokens"].reshape(-1).tolist() == [9] * n  # raw 96x96 frames: 6x6 patches, 2x2 merged
+    assert rows["prompt_tokens"].reshape(-1).tolist() == [len(p) for p in rows.get(("tokens", "prompt"), as_list=True)]
+    for row in rows.unbind(0):
+        # the history's earlier <image> placeholders stay text; the current frame is the one image
+        assert row["text", "prompt"].count("<image>") == min(int(row["step_count"]), 2) + 1  # WindowMemory(2)
+        assert int((row["tokens", "prompt"] == tokenizer.convert_tokens_to_ids("<|vision_start|>")).sum()) == 1
+        # the env's projection parsed the VLM's response
+        assert (row["action"], bool(row["action_valid"])) == project_action(row["text", "response"])
+    with torch.no_grad():
+        scored = VisionResponseLogProbs(model, processor, min_pixels=0)(rows.clone())
+    sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
+    torch.testing.assert_close(scored["log_prob"], sampled * scored["mask"], atol=1e-5, rtol=0)
+    again = collect()  # deterministic for a seed
+    first, second = (r.get(("tokens", "response"), as_list=True) for r in (rows, again))
+    assert len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
