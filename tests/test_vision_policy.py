@@ -127,3 +127,17 @@ def test_image_episodes_through_the_step_collector(vl):
     again = collect()  # deterministic for a seed
     first, second = (r.get(("tokens", "response"), as_list=True) for r in (rows, again))
     assert len(first) == len(second) and all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_model_tiny_vl_config_loads_the_vlm(vl, tiny_path):
+    from torchrl_agent.models import is_vision_model, load_model, load_processor, model_path
+    from torchrl_agent.trainers.cli import compose_config
+
+    cfg = compose_config(["experiment=smoke", "model=tiny-vl"]).model  # quickstart sets tiny-large itself
+    path = model_path(cfg)
+    assert is_vision_model(path) and not is_vision_model(tiny_path)
+    model, tokenizer = load_model(cfg)
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration" and tokenizer.pad_token == "<|endoftext|>"
+    reference = vl[0].state_dict()
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())  # the same seed-0 weights
+    assert type(load_processor(path).image_processor).__name__ == "Qwen2VLImageProcessorPil"
