@@ -14,7 +14,7 @@ from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
 from torchrl_agent.envs.transforms.projection import project_action
 from torchrl_agent.modules import VisionPolicy, VisionResponseLogProbs
-from torchrl_agent.modules.vision import expand_image, image_inputs
+from torchrl_agent.modules.vision import VISION_PLACEHOLDER, expand_image, image_inputs
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,17 @@ def image_request(processor, n, seed=0):
         [{"role": "user", "content": "Push the box. " * (i + 1) + td["observation"][i]}],
         tokenize=False, add_generation_prompt=True) for i in range(n)]
     return TensorDict({"text": {"prompt": NonTensorStack(*prompts)}, "pixels": td["pixels"]}, [n])
+
+
+def test_expand_image_places_the_current_frame_only():
+    pad = "<|image_pad|>"
+    assert expand_image("a <image> b", 3) == f"a <|vision_start|>{pad * 3}<|vision_end|> b"
+    # a memory's earlier placeholders stay text: the last one is the current frame
+    assert expand_image("old <image> now <image>", 2) == f"old <image> now <|vision_start|>{pad * 2}<|vision_end|>"
+    assert expand_image(f"x {VISION_PLACEHOLDER}", 1) == f"x {VISION_PLACEHOLDER}"  # a processor template's form
+    for prompt in ("no image here", f"{VISION_PLACEHOLDER}{VISION_PLACEHOLDER}"):
+        with pytest.raises(ValueError, match="one image placeholder"):
+            expand_image(prompt, 4)
 
 
 def test_generation_log_probs_equal_the_scorer_and_the_image_counts(vl):
