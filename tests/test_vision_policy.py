@@ -13,7 +13,7 @@ from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
 from torchrl_agent.envs.transforms.projection import project_action
-from torchrl_agent.modules import VisionPolicy, VisionResponseLogProbs
+from torchrl_agent.modules import ResponseLogProbs, VisionPolicy, VisionResponseLogProbs
 from torchrl_agent.modules.vision import VISION_PLACEHOLDER, expand_image, image_inputs
 
 
@@ -69,6 +69,9 @@ def test_generation_log_probs_equal_the_scorer_and_the_image_counts(vl):
     with torch.no_grad():
         other = scorer(blank)["log_prob"]
     assert (other - scored["log_prob"]).abs().max() > 1e-3
+    # the text scorer refuses image rows (it would read the pads as text), the VLM's text rows score there
+    with pytest.raises(ValueError, match="VisionResponseLogProbs"), torch.no_grad():
+        ResponseLogProbs(model, processor.tokenizer.pad_token_id)(rows.clone())
     # frames that give another image token count than the prompt holds are refused
     with pytest.raises(ValueError, match="image tokens"), torch.no_grad():
         VisionResponseLogProbs(model, processor, min_pixels=0)(rows.clone())
@@ -114,14 +117,14 @@ def test_image_episodes_through_the_step_collector(vl):
     tokenizer = processor.tokenizer
 
     def collect():
-        env = TransformedEnv(make_env("sokoban", num_groups=2, group_size=1, max_steps=3, modality="image"),
+        env = TransformedEnv(make_env("sokoban", num_groups=2, group_size=1, max_steps=2, modality="image"),
                              Compose(WindowMemory(2), PromptTransform(tokenizer, "sokoban"), ActionProjection()))
         policy = VisionPolicy(model, processor, max_new_tokens=8, min_pixels=0)
         return StepCollector(env, policy, seed=0).collect()
 
     rows = collect()
     n = rows.batch_size[0]
-    assert n == 6  # 2 episodes of 3 steps (the random model never solves the room)
+    assert n == 4  # 2 episodes of 2 steps (the random model never solves the room)
     assert rows["pixels"].shape == (n, 96, 96, 3) and rows["pixels"].dtype == torch.uint8
     assert rows["image_tokens"].reshape(-1).tolist() == [9] * n  # raw 96x96 frames: 6x6 patches, 2x2 merged
     assert rows["prompt_tokens"].reshape(-1).tolist() == [len(p) for p in rows.get(("tokens", "prompt"), as_list=True)]

@@ -169,7 +169,13 @@ class ResponseLogProbs(TensorDictModuleBase):
     def _model_inputs(self, rows: TensorDictBase, batch: dict[str, torch.Tensor]) -> dict:
         """The model's keyword arguments besides ``input_ids`` and ``attention_mask`` for the padded
         ``batch`` (:func:`pad_rows`, on the model's device) of ``rows``: none for a causal LM; a VLM's
-        image inputs and M-RoPE positions (:class:`~torchrl_agent.modules.VisionResponseLogProbs`)."""
+        image inputs and M-RoPE positions (:class:`~torchrl_agent.modules.VisionResponseLogProbs`).
+        A VLM's text rows score here; rows with image tokens are refused (without their frames the
+        model would read the pads as text tokens)."""
+        image_token_id = getattr(self.model.config, "image_token_id", None)
+        if image_token_id is not None and bool((batch["input_ids"] == image_token_id).any()):
+            raise ValueError(f"{type(self).__name__}: the rows' prompts hold image tokens; score a VLM's image rows "
+                             "with VisionResponseLogProbs (their pixels give the image inputs)")
         return {}
 
     def forward(self, rows: TensorDictBase) -> TensorDictBase:
