@@ -1,11 +1,11 @@
 """Sharded checkpoints (torch.distributed.checkpoint) under FSDP2: each rank writes its own shards,
-nothing gathered; a checkpoint of 2 ranks resumes in 1 process and one of 1 process on 2 ranks, and
-both continue with the same steps as an uninterrupted single-process run; a changed shard or a
-shard metadata that would run code is refused; retention and a killed writer's leftovers.
+nothing gathered; a checkpoint of 2 ranks resumes in 1 process and on 4 ranks, one of 1 process on
+2 ranks, and all continue with the same steps as an uninterrupted single-process run; a changed
+shard or a shard metadata that would run code is refused; retention and a killed writer's leftovers.
 
-The worker half (``worker``) runs on 2 ranks (gloo on CPU) forked by the ``launch`` fixture with
-the environment torchrun gives them (torch imported once); by hand: ``python -m
-torch.distributed.run --standalone --nproc_per_node 2 tests/test_checkpoint_shards.py OUT``."""
+The worker halves (``worker``, ``worker_4``) run on 2 and 4 ranks (gloo on CPU) forked by the
+``launch`` fixture with the environment torchrun gives them (torch imported once); ``worker`` by
+hand: ``python -m torch.distributed.run --standalone --nproc_per_node 2 tests/test_checkpoint_shards.py OUT``."""
 
 from __future__ import annotations
 
@@ -86,18 +86,50 @@ def worker(out: str) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _rank(rank: int, port: int, out: str) -> None:
-    """One of the 2 ranks, as torchrun would start it (its environment), then :func:`worker`."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+def worker_4(out: str) -> None:
+    """Each of 4 ranks: resume the 2 ranks' sharded checkpoint (step 1), step 2 (a quarter of the
+    batch each), the full weights to OUT/rank0_final_4.pt."""
+    from torchrl_agent.trainers.distributed import full_weights, get_rank, init_distributed, shard_model
+
+    out = Path(out)
+    rank, _, _ = init_distributed("cpu")
+    model, x, y = _model()
+    model = shard_model(model)
+    optimizer = _optimizer(model)
+    path = out / "dist" / "iteration_00001.pt"
+    load_weights(model, optimizer, path, read_checkpoint(path) if rank == 0 else {})
+    _step(model, optimizer, x[2, 2 * rank:2 * rank + 2], y[2, 2 * rank:2 * rank + 2])
+    weights = full_weights(model)
+    if get_rank() == 0:
+        torch.save(weights, out / "rank0_final_4.pt")
+    torch.distributed.destroy_process_group()
+
+
+def _rank(target, rank: int, world: int, port: int, out: str) -> None:
+    """One of ``world`` ranks, as torchrun would start it (its environment), then ``target(out)``."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    worker(out)
+    target(out)
+
+
+def _launch(target, world: int, out: Path) -> None:
+    with socket.socket() as sock:  # a free port for the ranks' rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = multiprocessing.get_context("fork")  # forked from this process: torch is imported once
+    ranks = [ctx.Process(target=_rank, args=(target, rank, world, port, str(out))) for rank in range(world)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0] * world
 
 
 @pytest.fixture(scope="module")
 def launch(tmp_path_factory):
     """A single-process run of the 3 steps (a checkpoint after step 0, the weights after each step),
-    then the 2-rank worker resuming that checkpoint."""
+    then the 2-rank worker resuming that checkpoint, then 4 ranks resuming the 2 ranks' one."""
     out = tmp_path_factory.mktemp("shards")
     model, x, y = _model()
     optimizer = _optimizer(model)
@@ -107,16 +139,8 @@ def launch(tmp_path_factory):
         steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         if i == 0:
             _save(model, optimizer, out / "single" / "iteration_00000.pt", 0)
-    with socket.socket() as sock:  # a free port for the 2 ranks' rendezvous
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = multiprocessing.get_context("fork")  # forked from this process: torch is imported once
-    ranks = [ctx.Process(target=_rank, args=(rank, port, str(out))) for rank in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=300)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    _launch(worker, 2, out)
+    _launch(worker_4, 4, out)
     return out, steps
 
 
@@ -146,9 +170,11 @@ def test_each_rank_writes_its_shards_and_a_2_rank_checkpoint_resumes_in_one_proc
     _close(model.state_dict(), steps[2])
 
 
-def test_a_single_process_checkpoint_resumes_on_2_ranks_and_continues_the_same(launch):
+def test_a_single_process_checkpoint_resumes_on_2_ranks_and_a_2_rank_one_on_4_and_continue_the_same(launch):
     out, steps = launch  # the 2 ranks resumed step 0's one-file checkpoint, took steps 1 and 2
     _close(torch.load(out / "rank0_final.pt", weights_only=True), steps[2])
+    # 4 ranks resumed the 2 ranks' shards (each reading the parts it holds), took step 2
+    _close(torch.load(out / "rank0_final_4.pt", weights_only=True), steps[2])
 
 
 def test_a_changed_shard_or_a_metadata_that_would_run_code_is_refused(launch, tmp_path):
