@@ -1,7 +1,8 @@
 """Sharded checkpoints (torch.distributed.checkpoint) under FSDP2: each rank writes its own shards,
 nothing gathered; a checkpoint of 2 ranks resumes in 1 process and on 4 ranks, one of 1 process on
 2 ranks, and all continue with the same steps as an uninterrupted single-process run; a changed
-shard or a shard metadata that would run code is refused; retention and a killed writer's leftovers.
+shard or a shard metadata that would run code is refused; a write that fails on one rank raises on
+every rank and leaves nothing; retention and a killed writer's leftovers.
 
 The worker halves (``worker``, ``worker_4``) run on 2 and 4 ranks (gloo on CPU) forked by the
 ``launch`` fixture with the environment torchrun gives them (torch imported once); ``worker`` by
@@ -12,6 +13,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import resource
 import socket
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import torch.distributed.fsdp  # noqa: F401
 from torch import nn
 
 from torchrl_agent.trainers.checkpointing import (
+    CheckpointError,
     CheckpointLoadError,
     load_weights,
     prune_checkpoints,
@@ -79,6 +82,16 @@ def worker(out: str) -> None:
     half = slice(4 * rank, 4 * rank + 4)
     _step(model, optimizer, x[1, half], y[1, half])
     _save(model, optimizer, out / "dist" / "iteration_00001.pt", 1)
+    # rank 1's disk "full" (a file-size limit: EFBIG) for the next checkpoint: every rank raises
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if rank == 1:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limits[1]))
+    try:
+        _save(model, optimizer, out / "dist" / "iteration_00002.pt", 2)
+        (out / f"rank{rank}_error.txt").write_text("")
+    except CheckpointError as err:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        (out / f"rank{rank}_error.txt").write_text(str(err))
     _step(model, optimizer, x[2, half], y[2, half])
     weights = full_weights(model)
     if get_rank() == 0:
@@ -175,6 +188,14 @@ def test_a_single_process_checkpoint_resumes_on_2_ranks_and_a_2_rank_one_on_4_an
     _close(torch.load(out / "rank0_final.pt", weights_only=True), steps[2])
     # 4 ranks resumed the 2 ranks' shards (each reading the parts it holds), took step 2
     _close(torch.load(out / "rank0_final_4.pt", weights_only=True), steps[2])
+
+
+def test_a_failed_shard_write_on_one_rank_raises_on_every_rank_and_leaves_nothing(launch):
+    out, _ = launch
+    errors = [(out / f"rank{r}_error.txt").read_text() for r in range(2)]
+    for text in errors:  # the same one line on both ranks: the rank, the cause, the intact checkpoint
+        assert "iteration_00002.shards failed (rank 1: OSError: [Errno 27] File too large)" in text, text
+    assert sorted(p.name for p in (out / "dist").iterdir()) == ["iteration_00001.pt", "iteration_00001.shards"]
 
 
 def test_a_changed_shard_or_a_metadata_that_would_run_code_is_refused(launch, tmp_path):

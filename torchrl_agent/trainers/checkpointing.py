@@ -332,6 +332,7 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     :func:`write_checkpoint`) comes after. Raises :class:`CheckpointError` on every rank, the
     previous checkpoint intact, for NaN/inf weights or a failed write."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from torchrl_agent.trainers.distributed import all_gather_object, barrier, get_rank, is_main_process
@@ -357,16 +358,22 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
         mine = {p.name: _sha256_file(p) for p in tmp.glob(f"__{get_rank()}_*")}
         if is_main_process():
             mine[".metadata"] = _sha256_file(tmp / ".metadata")
-    except Exception as err:
-        mine = err
+    except (Exception, CheckpointException) as err:  # (DCP's is a BaseException) as text: not every exception pickles
+        rank, cause = get_rank(), err
+        if isinstance(err, CheckpointException) and err.failures:  # the first failed rank's own error
+            rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda kv: kv[0])))
+        text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+        mine = f"rank {rank}: {type(cause).__name__}: {text}"
     parts = all_gather_object(mine)
-    failed = next((p for p in parts if isinstance(p, BaseException)), None)
+    failed = next((p for p in parts if isinstance(p, str)), None)
     if failed is not None:
         if is_main_process():
             shutil.rmtree(tmp, ignore_errors=True)
-        text = str(failed).strip().splitlines()[0][:200] if str(failed).strip() else ""
-        raise CheckpointError(f"writing {final} failed ({type(failed).__name__}: {text}); "
-                              f"free space of {path.parent}: check it (disk full?)" + (f"; {kept}" if kept else ""))
+        try:
+            free = f"{_free_bytes(path.parent) / 1e6:.1f} MB free in {path.parent}"
+        except OSError:
+            free = f"free space of {path.parent} unknown"
+        raise CheckpointError(f"writing {final} failed ({failed}); {free} (disk full?)" + (f"; {kept}" if kept else ""))
     files = dict(sorted({k: v for part in parts for k, v in part.items()}.items()))
     if is_main_process():
         fsync_path(tmp)
