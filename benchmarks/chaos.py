@@ -440,7 +440,10 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
                              and e["run_dir_unchanged"] and "resumed from" in later)
         elif e["kind"] == "nan_reward":
             # one game's reward NaN: named in the log, an env fault of its episode, the run went on
-            e["survived"] = "non-finite reward" in same + later and not (sup.logs.parent / "nan_reward.flag").exists()
+            # (the flag waits for the next step a game takes: in a later launch when this one was stopped first)
+            after = "".join(sup.log_text(i) for i in range(e["launch"], len(sup.launches)))
+            e["survived"] = ("returned a non-finite reward nan" in after and "ended by a fault, left out of training" in after
+                             and not (sup.logs.parent / "nan_reward.flag").exists())
         elif e["kind"] == "disk_full":
             e["survived"] = any(s in same for s in ("No space left", "File too large")) and "training continues" in same
     fired = [e for e in events if e["fired"]]
