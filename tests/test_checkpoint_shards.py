@@ -251,3 +251,29 @@ def test_retention_and_a_killed_writers_leftovers_remove_the_shard_folders(tmp_p
 
 if __name__ == "__main__":
     worker(sys.argv[1])
+
+
+def test_export_writes_a_hugging_face_folder_of_the_checkpoints_weights(tmp_path, tiny_path, capsys):
+    """``python -m torchrl_agent.trainers.checkpointing export CKPT OUT``: safetensors (no pickle),
+    the config and the tokenizer; the folder loads with transformers and holds the trained weights."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    from torchrl_agent.models import load_model
+    from torchrl_agent.trainers.checkpointing import main
+    from torchrl_agent.trainers.config import ModelConfig
+
+    model, _ = load_model(ModelConfig(), dtype=torch.float32)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)  # "trained": not the weights the model folder holds
+    path = tmp_path / "last.pt"
+    write_checkpoint({**save_weights(model, _optimizer(model), path), "iteration": 0,
+                      "config": {"model": dataclasses.asdict(ModelConfig())}}, path)
+    assert main(["export", str(path), str(tmp_path / "hf")]) == 0
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert "model.safetensors" in names and "config.json" in names and not any(n.endswith((".bin", ".pt")) for n in names)
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    _close(exported.state_dict(), model.state_dict())
+    assert main(["export", str(path), str(tmp_path / "hf")]) == 1  # never over a folder in use
+    assert "exists and is not empty" in capsys.readouterr().err

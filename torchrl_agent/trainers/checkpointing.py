@@ -43,6 +43,10 @@ A checkpoint written by an older torchrl-agent (pickled with ``weights_only=Fals
 trusted one is converted with::
 
     python -m torchrl_agent.trainers.checkpointing convert OLD.pt NEW.pt
+
+The weights of either format, as a Hugging Face folder (safetensors) for serving (:func:`export_hf`)::
+
+    python -m torchrl_agent.trainers.checkpointing export RUN/checkpoints/last.pt OUT_DIR
 """
 
 from __future__ import annotations
@@ -64,7 +68,7 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
-           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "fsync_path",
+           "check_model_state", "check_resume_config", "checksum", "convert", "export_hf", "find_resumable", "fsync_path",
            "load_shards", "load_weights", "model_shapes", "numpy_state", "plain_numpy_state", "prune_checkpoints",
            "read_checkpoint", "read_weights", "remove_unfinished", "resolve_resume", "save_weights", "shards_dir",
            "write_checkpoint", "write_shards"]
@@ -754,6 +758,35 @@ def convert(old: str | Path, new: str | Path) -> Path:
     return new
 
 
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """The weights of checkpoint ``path`` (either format, verified; a sharded one assembled in one
+    process) as a Hugging Face folder ``out`` for serving: ``model.safetensors`` (no pickle), the
+    model's ``config.json`` and its tokenizer, for the ``model`` config the checkpoint was trained
+    with. A LoRA run's checkpoint (adapter weights over a base model) is refused."""
+    from torchrl_agent.models import load_model
+    from torchrl_agent.trainers.config import ModelConfig
+
+    path, out = Path(path), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose another folder")
+    state = read_checkpoint(path)
+    model_cfg = dict((state.get("config") or {}).get("model") or {})
+    if not model_cfg:
+        raise CheckpointLoadError(f"checkpoint {path} holds no model config: which model it trained is unknown")
+    if model_cfg.get("lora_rank", 0) > 0:
+        raise CheckpointLoadError(f"checkpoint {path} is of a LoRA run (model.lora_rank={model_cfg['lora_rank']}): "
+                                  "exporting adapters over their base model is not supported")
+    known = {f for f in ModelConfig.__dataclass_fields__}
+    model, tokenizer = load_model(ModelConfig(**{k: v for k, v in model_cfg.items() if k in known}),
+                                  dtype=torch.float32)
+    check_model_state(model_shapes(state), {k: v.shape for k, v in model.state_dict().items()}, path,
+                      state.get("config"))
+    model.load_state_dict(read_weights(path, state))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchrl_agent.trainers.checkpointing",
                                      description="Check or convert torchrl-agent checkpoints.")
@@ -763,7 +796,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("new")
     v = sub.add_parser("verify", help="read and verify checkpoints (no code runs)")
     v.add_argument("paths", nargs="+")
+    e = sub.add_parser("export", help="the weights as a Hugging Face folder (safetensors), either format")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            print(f"exported {args.checkpoint} -> {export_hf(args.checkpoint, args.out)}")
+        except (OSError, CheckpointLoadError) as err:
+            print(f"export: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "convert":
         try:
             print(f"converted {args.old} -> {convert(args.old, args.new)}")
