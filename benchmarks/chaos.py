@@ -21,6 +21,16 @@ experiment with ``checkpoint_every=1`` and ``env.num_workers=2``). The superviso
 - ``corrupt_checkpoint``: the trainer is stopped (SIGSTOP), 16 bytes in the middle of its newest
   checkpoint are flipped, the trainer is killed and restarted with ``resume=auto``, which must skip
   that checkpoint (named in its log) and continue from the one before;
+- ``sighup``: SIGHUP to the trainer (a closed terminal) at a moment of the next iteration: the
+  trainer finishes the iteration, writes its checkpoint and exits with code 129 and one line; then
+  a restart with ``resume=auto``;
+- ``changed_resume``: the trainer is killed after an iteration and restarted with ``resume=auto``
+  and another experiment (``env.group_size`` one larger): refused at start (exit 2) in one line
+  naming ``env.group_size``, nothing in the run folder changed; then the restart of the same one;
+- ``nan_reward``: the env's reward of one step turns NaN (a custom env, :func:`nan_reward_numberline`,
+  a reward model gone wrong once: the supervisor creates a flag file, the first game that steps
+  after it takes it): that episode is an env fault named in the log, left out of training, the run
+  goes on (a schedule with this fault trains on that env, NumberLine otherwise unchanged);
 - ``disk_full``: the filesystem of the checkpoints folder (a tmpfs mounted for the run when the
   supervisor may mount, else the trainer's file-size limit via ``prlimit``: EFBIG) is filled just
   below one checkpoint's size for one checkpoint write: the write is refused, the run goes on.
@@ -31,12 +41,15 @@ is counted in ``faults_not_fired`` and fails the run (exit code 1), never droppe
 At the end: ``metrics_consistent`` (the metrics lines are iterations ``0..N-1`` once each plus the
 final evaluation, and equal the records stored in ``last.pt``), ``rows_lost_beyond_faulted``
 (summed over iterations: rows collected - rows trained - rows left out for a fault; 0 when only
-faulted episodes were lost) and, for ``--schedule kill-only``, ``final_weights_equal_clean_run``
-(the final weights against an unfaulted run of the same seed; ``null`` for schedules with
-other faults, whose dropped episodes change the training). Prints one JSON object as its LAST line::
+faulted episodes were lost) and, for ``--schedule kill-only`` and ``--schedule stops`` (faults that
+stop and resume the run, nothing else), ``final_weights_equal_clean_run`` (the final weights against
+an unfaulted run of the same seed; ``null`` for schedules with other faults, whose dropped episodes
+change the training). Prints one JSON object as its LAST line::
 
     python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0
     python benchmarks/chaos.py --iterations 30 --schedule kill-only --seed 0
+    python benchmarks/chaos.py --iterations 8 --schedule stops --seed 0     # SIGHUP, a changed experiment, a kill
+    python benchmarks/chaos.py --iterations 8 --schedule safety --seed 0    # SIGHUP, a changed experiment, a NaN reward
     python benchmarks/chaos.py --schedule short     # 6 iterations: one kill + resume, one corrupted checkpoint
 """
 
@@ -68,9 +81,45 @@ SCHEDULES = {
     "mixed": ["trainer_kill", "trainer_kill", "worker_kill", "worker_kill", "corrupt_checkpoint", "disk_full",
               "collector_kill", "engine_kill"],
     "kill-only": ["trainer_kill", "trainer_kill", "trainer_kill"],
+    "stops": ["sighup", "changed_resume", "trainer_kill"],
+    "safety": ["sighup", "changed_resume", "nan_reward"],
     "short": ["trainer_kill", "corrupt_checkpoint"],
 }
+#: schedules whose faults only stop and resume the run: its final weights are those of an unfaulted run
+SAME_TRAINING = ("kill-only", "stops")
+#: the env of a schedule with ``nan_reward``: NumberLine and its prompt, one reward NaN when the flag file appears
+NAN_ENV = ["env.name=chaos_nan_numberline", "env.template=numberline"]
+NAN_FLAG = "TORCHRL_AGENT_CHAOS_NAN_FLAG"
 
+
+def register_nan_env() -> None:
+    """Register ``chaos_nan_numberline``: NumberLine (``NumberLineEnv``'s arguments) whose game
+    returns a NaN reward once, at the first step any game takes after the file named by
+    ``$TORCHRL_AGENT_CHAOS_NAN_FLAG`` appears (the game that removes it, in the trainer or in an env
+    worker process). A custom env with a bug, caused for real: the trainer sees what it would see
+    from such an env. The trainer runs as ``chaos.py --trainer train OVERRIDES``, which registers it."""
+    from torchrl_agent.envs import register_env
+    from torchrl_agent.envs.base import TextEnv
+    from torchrl_agent.envs.games.numberline import NumberLineGame
+
+    class FlaggedNumberLine(NumberLineGame):
+        def step(self, action):
+            state, reward, terminated, success = super().step(action)
+            flag = os.environ.get(NAN_FLAG)
+            if flag:
+                try:
+                    os.unlink(flag)  # exactly one game takes it
+                    reward = float("nan")
+                except FileNotFoundError:
+                    pass
+            return state, reward, terminated, success
+
+    def constructor(*, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
+                    invalid_reward: float = 0.0, observation: str = "absolute", max_steps: int = 10, **kwargs):
+        return TextEnv(lambda: FlaggedNumberLine(max_position, min_distance, max_distance, invalid_reward, observation),
+                       max_steps=max_steps, **kwargs)
+
+    register_env("chaos_nan_numberline", constructor)
 
 def _metrics(run: Path) -> list[dict]:
     out = []
@@ -110,6 +159,14 @@ def _is_env_worker(pid: int) -> bool:
     except OSError:
         return False
     return b"resource_tracker" not in cmdline and b"semaphore_tracker" not in cmdline
+
+
+def _snapshot(run: Path) -> dict[str, str]:
+    """SHA-256 of every file of the run folder but its lock (a refused launch may take a dead run's lock)."""
+    import hashlib
+
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
 def _newest_checkpoint(folder: Path) -> Path | None:
@@ -159,18 +216,23 @@ class Disk:
 
 
 class Supervisor:
-    def __init__(self, run: Path, overrides: list[str], logs: Path):
-        self.run, self.overrides, self.logs = run, overrides, logs
+    def __init__(self, run: Path, overrides: list[str], logs: Path, trainer: list[str] | None = None,
+                 env: dict | None = None):
+        self.run, self.overrides, self.logs, self.env = run, overrides, logs, env
+        self.trainer = trainer or [sys.executable, "-m", "torchrl_agent.trainers.cli"]
         self.launches: list[dict] = []
         self.proc: subprocess.Popen | None = None
 
-    def start(self, resume: bool) -> None:
+    def start(self, resume: bool, changed: list[str] = ()) -> None:
+        """A launch of the trainer; ``changed``: overrides that replace those of the same keys."""
         log = self.logs / f"launch_{len(self.launches)}.log"
-        args = [sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *self.overrides, f"run_dir={self.run}"]
+        keys = {c.split("=", 1)[0] for c in changed}
+        overrides = [o for o in self.overrides if o.split("=", 1)[0] not in keys] + list(changed)
+        args = [*self.trainer, "train", *overrides, f"run_dir={self.run}"]
         if resume:
             args.append("resume=auto")
         handle = open(log, "w")
-        self.proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(args, stdout=handle, stderr=subprocess.STDOUT, env=self.env)
         self.launches.append({"log": log, "handle": handle, "resume": resume, "pid": self.proc.pid})
 
     def log_text(self, index: int) -> str:
@@ -197,9 +259,13 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
     run, logs = out / "run", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     disk = Disk(run / "checkpoints", mb=256) if "disk_full" in kinds else None
-    overrides = [*SMOKE, *(MULTIPROCESS if {"collector_kill", "engine_kill"} & set(kinds) else []), f"iterations={iterations}",
-                 f"seed={seed}"]
-    sup = Supervisor(run, overrides, logs)
+    nan = "nan_reward" in kinds
+    overrides = [*SMOKE, *(MULTIPROCESS if {"collector_kill", "engine_kill"} & set(kinds) else []),
+                 *(NAN_ENV if nan else []), f"iterations={iterations}", f"seed={seed}"]
+    flag = out / "nan_reward.flag"
+    # with nan_reward the trainer runs as `chaos.py --trainer`, which registers the env first
+    sup = Supervisor(run, overrides, logs, [sys.executable, str(Path(__file__).resolve()), "--trainer"] if nan else None,
+                     {**os.environ, NAN_FLAG: str(flag)} if nan else None)
     resumes, deadline = 0, time.monotonic() + timeout
     sup.start(resume=disk is not None)  # a mounted checkpoints folder: resume=auto starts the (empty) run
     try:
@@ -276,6 +342,32 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                         event["code"] = sup.wait_exit()
                     sup.start(resume=True)
                     resumes += 1
+                elif kind == "sighup":
+                    # a closed terminal: the iteration finishes, its checkpoint is written, exit 129 and one line
+                    time.sleep(rng.uniform(0.0, _metrics(run)[-1].get("iteration_s", 1.0)))
+                    sup.proc.send_signal(signal.SIGHUP)
+                    try:
+                        event["code"] = sup.wait_exit(timeout=900)
+                    except subprocess.TimeoutExpired:
+                        event["hung"] = True
+                        sup.proc.kill()
+                        event["code"] = sup.wait_exit()
+                    sup.start(resume=True)
+                    resumes += 1
+                elif kind == "changed_resume":
+                    # killed, then continued with another experiment (a larger group): refused, nothing touched
+                    sup.proc.kill()
+                    sup.wait_exit()
+                    before = _snapshot(run)
+                    group = next(int(o.split("=")[1]) for o in overrides if o.startswith("env.group_size="))
+                    sup.start(resume=True, changed=[f"env.group_size={group + 1}"])
+                    event["code"], event["group_size"] = sup.wait_exit(timeout=900), (group, group + 1)
+                    event["run_dir_unchanged"] = _snapshot(run) == before
+                    sup.start(resume=True)
+                    resumes += 1
+                elif kind == "nan_reward":
+                    flag.write_text("")  # the next step of any game returns NaN
+                    event["until_iteration"] = max(done) + 1
                 elif kind == "disk_full":
                     newest = _newest_checkpoint(run / "checkpoints")
                     disk.fill(sup.proc.pid, newest.stat().st_size if newest else 1 << 20)
@@ -289,7 +381,7 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
             time.sleep(0.05)
         result = _check(run, iterations, events, sup)
         state = None
-        if schedule == "kill-only":
+        if schedule in SAME_TRAINING:
             from torchrl_agent.trainers.checkpointing import read_checkpoint
 
             state = read_checkpoint(run / "checkpoints" / "last.pt")["model"]
@@ -323,7 +415,7 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
     for e in events:
         if not e["fired"]:
             continue
-        nxt = e["launch"] + 1
+        nxt = e["launch"] + (2 if e["kind"] == "changed_resume" else 1)  # after the refused launch
         later = sup.log_text(nxt) if nxt < len(sup.launches) else ""
         same = sup.log_text(e["launch"])
         if e["kind"] == "trainer_kill":
@@ -337,6 +429,21 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
             # the supervisor's kill); the next launch resumed
             e["survived"] = ("pid" in e and f"{e['victim']} (pid {e['pid']}, exit code -9) exited" in same
                              and e.get("code") not in (None, 0, -signal.SIGKILL) and "resumed from" in later)
+        elif e["kind"] == "sighup":
+            e["survived"] = (e.get("code") == 128 + signal.SIGHUP and "stopped by SIGHUP after iteration" in same
+                             and "resumed from" in later)
+        elif e["kind"] == "changed_resume":
+            # refused in one line naming the key (exit 2), nothing in the run folder changed; then resumed
+            old, new = e["group_size"]
+            refused = sup.log_text(e["launch"] + 1)
+            e["survived"] = (e.get("code") == 2 and f"env.group_size ({old} -> {new})" in refused
+                             and e["run_dir_unchanged"] and "resumed from" in later)
+        elif e["kind"] == "nan_reward":
+            # one game's reward NaN: named in the log, an env fault of its episode, the run went on
+            # (the flag waits for the next step a game takes: in a later launch when this one was stopped first)
+            after = "".join(sup.log_text(i) for i in range(e["launch"], len(sup.launches)))
+            e["survived"] = ("returned a non-finite reward nan" in after and "ended by a fault, left out of training" in after
+                             and not (sup.logs.parent / "nan_reward.flag").exists())
         elif e["kind"] == "disk_full":
             e["survived"] = any(s in same for s in ("No space left", "File too large")) and "training continues" in same
     fired = [e for e in events if e["fired"]]
@@ -349,7 +456,8 @@ def _check(run: Path, iterations: int, events: list[dict], sup: Supervisor) -> d
         "rows_lost_beyond_faulted": lost,
         "metrics_consistent": consistent,
         "env_faults_in_metrics": sum(r.get("env_faults", 0) for r in records),
-        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "fired", "survived", "file", "method", "victim", "code", "hung")}
+        "faults": [{k: v for k, v in e.items() if k in ("kind", "after_iteration", "fired", "survived", "file", "method",
+                                                        "victim", "code", "hung", "run_dir_unchanged")}
                    for e in events],
     }
 
@@ -386,6 +494,12 @@ def main(argv: list[str] | None = None) -> int:
                         "with `--print-clean-command`'s command; run when missing)")
     parser.add_argument("--print-clean-command", action="store_true", help="print the unfaulted run's command and exit")
     parser.add_argument("--timeout", type=float, default=4 * 3600, help="seconds before the run is given up")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--trainer"]:  # the trainer of a schedule with nan_reward: its env registered first
+        from torchrl_agent.trainers.cli import main as cli
+
+        register_nan_env()
+        return cli(argv[1:])
     args = parser.parse_args(argv)
     iterations = args.iterations or (6 if args.schedule == "short" else 30)
     if iterations < len(SCHEDULES[args.schedule]) + 3:

@@ -324,5 +324,10 @@ def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weigh
     assert "loss_kl" in record and record["reward_kl_coef"] > 0  # the KL in the loss and in the reward
     # ReMax's greedy baseline: each rank's engine played its own group of the 2, gathered once
     assert result["baseline"] == ("DistributedStepCollector", 1, 2) and result["baseline_batches"] == 1
-    state = torch.load(os.path.join(result["run_dir"], "checkpoints", "last.pt"), weights_only=False)
-    assert state["model"] and all(v.dtype == torch.float32 for v in state["model"].values())
+    from torchrl_agent.trainers.checkpointing import read_checkpoint, read_weights
+
+    path = os.path.join(result["run_dir"], "checkpoints", "last.pt")
+    state = read_checkpoint(path)  # each rank wrote its shards (torch.distributed.checkpoint): no "model" entry
+    assert "model" not in state and {"__0_0.distcp", "__1_0.distcp"} <= set(state["shards"]["files"])
+    weights = read_weights(path, state)
+    assert weights and all(v.dtype == torch.float32 for v in weights.values())

@@ -251,3 +251,32 @@ def test_a_single_node_engine_listens_on_loopback_whatever_the_host_name_resolve
         seen[mode] = set(json.loads(out.stdout.strip().splitlines()[-1]))
     assert address in seen["plain"]  # by host-name resolution: the network address
     assert seen["bind"] and seen["bind"] <= {"127.0.0.1", "::1"}, seen
+
+
+def test_the_chaos_runs_nan_reward_env_faults_one_episode_when_its_flag_appears(tmp_path, monkeypatch):
+    """benchmarks/chaos.py's ``nan_reward`` fault: the custom env returns one NaN reward, at the
+    first step after the supervisor's flag file appears; that episode is an env fault naming the
+    game, the others and the next steps go on."""
+    import importlib.util
+    import sys
+
+    from tensordict import TensorDict
+
+    from torchrl_agent.envs import make_env
+
+    spec = importlib.util.spec_from_file_location("chaos", Path(__file__).resolve().parents[1] / "benchmarks" / "chaos.py")
+    chaos = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "chaos", chaos)
+    spec.loader.exec_module(chaos)
+    flag = tmp_path / "nan.flag"
+    monkeypatch.setenv(chaos.NAN_FLAG, str(flag))
+    chaos.register_nan_env()
+    env = make_env("chaos_nan_numberline", num_groups=1, group_size=2, max_steps=3)
+    env.reset()
+    step = TensorDict({"action": ["+", "+"]}, batch_size=[2])
+    assert not env.step(step)["next", "env_fault"].any()
+    env.reset()
+    flag.write_text("")
+    out = env.step(step)["next"]
+    assert out["env_fault"].tolist() == [[True], [False]] and not flag.exists()
+    assert "FlaggedNumberLine.step returned a non-finite reward nan" in env.fault_log[-1]

@@ -21,8 +21,20 @@ folder ``fsync``-ed: a checkpoint on disk is whole or absent, whatever kills the
 free-space margin: the write is attempted, and a full disk (``ENOSPC``) or any other failed write
 leaves the previous checkpoint as it was and raises :class:`CheckpointError`.
 
+Under torchrun (an FSDP2-sharded model) the weights and the optimizer state are not gathered: each
+rank writes its own shards with ``torch.distributed.checkpoint`` (DCP) into the folder ``NAME.shards``
+beside ``NAME.pt`` (:func:`write_shards`), and rank 0's ``NAME.pt`` holds the rest, with::
+
+    "shards"     dict   {"dir": "NAME.shards", "files": {file: SHA-256}, "model_shapes": {name: shape}}
+
+in place of ``"model"`` and ``"optimizer"``. The shards are written to ``NAME.shards.tmp``, fsync-ed,
+the folder renamed to ``NAME.shards``, and only then ``NAME.pt`` is written (atomically, as above):
+``NAME.pt`` on disk means its shards are whole. DCP reshards on load, so a checkpoint of N ranks
+resumes on M (one process included: :func:`load_weights`). A single process keeps the one-file
+format: it holds the whole state anyway, and one file is the simplest thing to copy or evaluate.
+
 Read by :func:`read_checkpoint`: ``torch.load(weights_only=True)`` then the checksum recomputed, so
-a truncated file, a text file, flipped bytes or a pickled (older) checkpoint is refused with
+a truncated file, a text file, flipped bytes, a missing or changed shard, or a pickled (older) checkpoint is refused with
 :class:`CheckpointLoadError`, a one-line message naming the file, the reason and the next step.
 :func:`find_resumable` (``resume=auto``, ``resume=RUN_DIR``) takes the newest checkpoint *by
 iteration* that reads and verifies, and says which it skipped and why.
@@ -31,17 +43,24 @@ A checkpoint written by an older torchrl-agent (pickled with ``weights_only=Fals
 trusted one is converted with::
 
     python -m torchrl_agent.trainers.checkpointing convert OLD.pt NEW.pt
+
+The weights of either format, as a Hugging Face folder (safetensors) for serving (:func:`export_hf`)::
+
+    python -m torchrl_agent.trainers.checkpointing export RUN/checkpoints/last.pt OUT_DIR
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
 import pickle
 import re
+import shutil
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -49,8 +68,10 @@ import numpy as np
 import torch
 
 __all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
-           "check_model_state", "check_resume_config", "checksum", "convert", "find_resumable", "fsync_path", "prune_checkpoints", "numpy_state", "plain_numpy_state", "read_checkpoint", "resolve_resume",
-           "write_checkpoint"]
+           "check_model_state", "check_resume_config", "checksum", "convert", "export_hf", "find_resumable", "fsync_path",
+           "load_shards", "load_weights", "model_shapes", "numpy_state", "plain_numpy_state", "prune_checkpoints",
+           "read_checkpoint", "read_weights", "remove_unfinished", "resolve_resume", "save_weights", "shards_dir",
+           "write_checkpoint", "write_shards"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -255,14 +276,17 @@ def read_checkpoint(path: str | Path, *, verify: bool = True) -> dict:
     if verify and checksum(state) != state["checksum"]:
         raise CheckpointLoadError(f"checkpoint {path}: damaged, its content does not match its checksum (bytes "
                                   "changed after it was written: a disk, copy or transfer error); use an earlier one")
+    if verify and "shards" in state and (problem := _check_shards(path, state["shards"])) is not None:
+        raise CheckpointLoadError(f"checkpoint {path}: {problem}; use an earlier one")
     return state
 
 
 def check_model_state(model_state: dict, expected: dict, path: str | Path, config: dict | None = None) -> None:
     """Raise :class:`CheckpointLoadError` (one line) when the checkpoint's weights ``model_state``
-    do not fit the model (``expected``: ``name -> shape`` of its state dict): another model size or
+    (tensors, or their shapes: :func:`model_shapes`) do not fit the model (``expected``: ``name -> shape`` of its state dict): another model size or
     architecture. Names the first difference and the checkpoint's own ``model`` config."""
-    have = {k: tuple(v.shape) for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    have = {k: tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v) for k, v in model_state.items()
+            if isinstance(v, (torch.Tensor, list, tuple))}
     want = {k: tuple(s) for k, s in expected.items()}
     shape = [k for k in want if k in have and have[k] != want[k]]
     missing = [k for k in want if k not in have]
@@ -280,6 +304,258 @@ def check_model_state(model_state: dict, expected: dict, path: str | Path, confi
     raise CheckpointLoadError(
         f"checkpoint {path} holds the weights of another model ({len(shape)} tensors of another shape, "
         f"{len(missing)} missing, {len(extra)} unexpected; {first}){trained}: pass the same model as its run")
+
+
+# ----------------------------------------------------------------------------------- sharded (torchrun)
+def shards_dir(path: str | Path) -> Path:
+    """The folder of checkpoint ``path``'s shards: ``NAME.shards`` beside ``NAME.pt``."""
+    path = Path(path)
+    return path.with_name(path.stem + ".shards")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _local(value):
+    """The part of a (``DTensor``) state entry this rank holds."""
+    return value.to_local() if hasattr(value, "to_local") else value
+
+
+def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, *,
+                 kept: str = "") -> dict:
+    """Every rank (under torchrun) writes its shards of ``model``'s weights and ``optimizer``'s state
+    into ``NAME.shards`` beside checkpoint ``path`` with ``torch.distributed.checkpoint`` (nothing
+    is gathered: each rank writes what it holds, in parallel); returns, on every rank, the
+    checkpoint's ``"shards"`` entry: the folder's name, each file's SHA-256 and the model's full
+    shapes. Written to ``NAME.shards.tmp``, fsync-ed, renamed; ``NAME.pt`` (rank 0,
+    :func:`write_checkpoint`) comes after. Raises :class:`CheckpointError` on every rank, the
+    previous checkpoint intact, for NaN/inf weights or a failed write."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from torchrl_agent.trainers.distributed import all_gather_object, barrier, get_rank, is_main_process
+
+    path = Path(path)
+    final = shards_dir(path)
+    tmp = final.with_name(final.name + ".tmp")
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no copy
+    bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
+           and not torch.isfinite(_local(v)).all()]
+    bad = sorted({k for part in all_gather_object(bad) for k in part})
+    if bad:
+        raise CheckpointError(f"not writing {path}: {len(bad)} weight tensors hold NaN/inf (first: {bad[0]}); the "
+                              f"training diverged (lower algorithm.lr, kl_coef or entropy_coef)"
+                              + (f"; {kept}" if kept else ""))
+    if is_main_process():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    try:  # DCP gathers the ranks' write errors: every rank raises
+        dcp.save({"model": model_state, "optimizer": optimizer_state},
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        mine = {p.name: _sha256_file(p) for p in tmp.glob(f"__{get_rank()}_*")}
+        if is_main_process():
+            mine[".metadata"] = _sha256_file(tmp / ".metadata")
+    except (Exception, CheckpointException) as err:  # (DCP's is a BaseException) as text: not every exception pickles
+        rank, cause = get_rank(), err
+        if isinstance(err, CheckpointException) and err.failures:  # the first failed rank's own error
+            rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda kv: kv[0])))
+        text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+        mine = f"rank {rank}: {type(cause).__name__}: {text}"
+    parts = all_gather_object(mine)
+    failed = next((p for p in parts if isinstance(p, str)), None)
+    if failed is not None:
+        if is_main_process():
+            shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            free = f"{_free_bytes(path.parent) / 1e6:.1f} MB free in {path.parent}"
+        except OSError:
+            free = f"free space of {path.parent} unknown"
+        raise CheckpointError(f"writing {final} failed ({failed}); {free} (disk full?)" + (f"; {kept}" if kept else ""))
+    files = dict(sorted({k: v for part in parts for k, v in part.items()}.items()))
+    if is_main_process():
+        fsync_path(tmp)
+        old = final.with_name(final.name + ".old")
+        if final.exists():  # the same name again (last.shards): the new folder replaces it
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_path(final.parent)
+    barrier()
+    shapes = {k: list(v.shape) for k, v in model_state.items() if torch.is_tensor(v)}
+    return {"dir": final.name, "files": files, "model_shapes": shapes}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's ``.metadata`` is a pickle: only DCP's own metadata classes, ``torch.Size``, dtypes,
+    layouts and paths are let through; any other global is refused, so reading it runs no code."""
+
+    ALLOWED = {("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING", "ChunkStorageMetadata",
+        "BytesStorageMetadata", "MetadataIndex", "StorageMeta")} | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"), ("collections", "OrderedDict")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in self.ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not allowed in a checkpoint's shard metadata")
+
+
+def _read_metadata(folder: Path):
+    with open(folder / ".metadata", "rb") as f:
+        return _MetadataUnpickler(f).load()
+
+
+def _reader(folder: Path):
+    """A ``FileSystemReader`` of ``folder`` whose ``.metadata`` is read by :class:`_MetadataUnpickler`
+    (DCP reads the shards' non-tensor entries with ``torch.load(weights_only=True)`` itself)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            metadata = _read_metadata(folder)
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(folder)
+
+
+def _check_shards(path: Path, shards: dict) -> str | None:
+    """Why the shards of checkpoint ``path`` cannot be used (``None``: every file is there, as written)."""
+    folder = path.parent / shards["dir"]
+    if not folder.is_dir():
+        return f"its shards folder {folder.name} is missing"
+    for name, want in shards["files"].items():
+        if not (folder / name).is_file():
+            return f"shard {folder.name}/{name} is missing"
+        if _sha256_file(folder / name) != want:
+            return f"shard {folder.name}/{name} does not match its checksum (changed after it was written)"
+    try:
+        _read_metadata(folder)
+    except Exception as err:
+        return f"shard metadata {folder.name}/.metadata refused ({type(err).__name__}: {err})"
+    return None
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """Without DCP's warning on every load without a process group (the one-process load meant here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, shards: dict) -> None:
+    """Every rank (or a single process): the weights and optimizer state of sharded checkpoint
+    ``path`` (its ``"shards"`` entry, verified by :func:`read_checkpoint`) into ``model`` and
+    ``optimizer``, resharded to this world size by DCP (each rank reads the parts it holds)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)  # the tensors DCP loads into, in place
+    state = {"model": model_state, "optimizer": optimizer_state}
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=_reader(Path(path).parent / shards["dir"]),
+                 no_dist=not torch.distributed.is_initialized())
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+def read_weights(path: str | Path, state: dict | None = None) -> dict[str, torch.Tensor]:
+    """The full weights (``name -> tensor``, CPU) of checkpoint ``path`` (its verified ``state``;
+    read now when ``None``) in one process, whatever its format: a sharded checkpoint's shards are
+    assembled (DCP, no process group). For evaluation and conversion."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    state = read_checkpoint(path) if state is None else state
+    if "shards" not in state:
+        return state["model"]
+    folder = Path(path).parent / state["shards"]["dir"]
+    metadata = _read_metadata(folder)
+    weights = {k[len("model."):]: torch.empty(tuple(m.size), dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    loaded = {"model": dict(weights)}
+    with _single_process_quiet():
+        dcp.load(loaded, storage_reader=_reader(folder), no_dist=True)
+    return loaded["model"]
+
+
+def model_shapes(state: dict) -> dict[str, list[int]]:
+    """``name -> shape`` of a checkpoint's weights (either format), for :func:`check_model_state`."""
+    if "shards" in state:
+        return state["shards"]["model_shapes"]
+    return {k: list(v.shape) for k, v in state["model"].items() if isinstance(v, torch.Tensor)}
+
+
+def save_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, *,
+                 kept: str = "") -> dict:
+    """Every rank: the entries of checkpoint ``path`` that hold the weights and the optimizer state.
+    Under torchrun ``{"shards": ...}``: each rank has written its own shards (:func:`write_shards`),
+    nothing is gathered. In a single process ``{"model", "optimizer"}``: the full state, for
+    :func:`write_checkpoint`'s one file. Raises :class:`CheckpointError` for NaN/inf weights."""
+    from torchrl_agent.trainers.distributed import full_optimizer_state_dict, full_state_dict, is_distributed
+
+    if is_distributed():
+        return {"shards": write_shards(model, optimizer, path, kept=kept)}
+    model_state = full_state_dict(model)
+    bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
+           and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"not writing {path}: {len(bad)} weight tensors hold NaN/inf (first: {bad[0]}); the "
+                              f"training diverged (lower algorithm.lr, kl_coef or entropy_coef)"
+                              + (f"; {kept}" if kept else ""))
+    return {"model": model_state, "optimizer": full_optimizer_state_dict(model, optimizer)}
+
+
+def load_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, state: dict) -> None:
+    """Every rank: the weights and optimizer state of checkpoint ``path`` (``state``: its verified
+    state on rank 0, ``{}`` on the others) into ``model`` and ``optimizer``, whatever the number of
+    ranks it was written on: shards through DCP (:func:`load_shards`), a one-file checkpoint
+    broadcast from rank 0."""
+    from torchrl_agent.trainers.distributed import (
+        broadcast_object,
+        is_distributed,
+        load_full_optimizer_state_dict,
+        load_full_state_dict,
+    )
+
+    shards = state.get("shards")
+    if is_distributed():
+        shards = broadcast_object(shards)
+    if shards is not None:
+        load_shards(model, optimizer, path, shards)
+        return
+    load_full_state_dict(model, state.get("model", {}))
+    load_full_optimizer_state_dict(model, optimizer, state.get("optimizer", {}))
+
+
+def remove_unfinished(folder: str | Path) -> list[Path]:
+    """Remove what a killed writer left in checkpoint ``folder``: ``*.tmp`` files and folders, and
+    a ``NAME.shards`` (or ``.shards.old``) with no ``NAME.pt`` (killed between the two renames).
+    Returns the removed paths."""
+    folder = Path(folder)
+    removed = []
+    for p in sorted(folder.glob("*.tmp")) + sorted(folder.glob("*.shards.old")) + [
+            p for p in sorted(folder.glob("*.shards")) if not p.with_suffix(".pt").exists()]:
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
 
 
 # ----------------------------------------------------------------------------------- the same experiment
@@ -361,7 +637,7 @@ def check_resume_config(saved: dict | None, current: dict, path: str | Path) -> 
 
 # ----------------------------------------------------------------------------------- retention
 def prune_checkpoints(folder: str | Path, keep: int, scores: dict[int, float]) -> list[Path]:
-    """Remove the periodic checkpoints (``iteration_N.pt``) of ``folder`` but the newest ``keep``
+    """Remove the periodic checkpoints (``iteration_N.pt``, and ``iteration_N.shards``) of ``folder`` but the newest ``keep``
     and the best one by ``scores`` (``N -> held-out success of checkpoint N's weights``; ties: the
     newest). ``last.pt`` and other names are never removed; ``keep <= 0`` removes nothing.
     Returns the removed paths."""
@@ -376,6 +652,7 @@ def prune_checkpoints(folder: str | Path, keep: int, scores: dict[int, float]) -
     removed = [p for it, p in found if it not in kept]
     for p in removed:
         p.unlink(missing_ok=True)
+        shutil.rmtree(shards_dir(p), ignore_errors=True)  # a sharded checkpoint's folder
     if removed:
         logger.info("checkpoint_keep=%d: removed %s", keep, ", ".join(p.name for p in removed))
     return removed
@@ -481,6 +758,35 @@ def convert(old: str | Path, new: str | Path) -> Path:
     return new
 
 
+def export_hf(path: str | Path, out: str | Path) -> Path:
+    """The weights of checkpoint ``path`` (either format, verified; a sharded one assembled in one
+    process) as a Hugging Face folder ``out`` for serving: ``model.safetensors`` (no pickle), the
+    model's ``config.json`` and its tokenizer, for the ``model`` config the checkpoint was trained
+    with. A LoRA run's checkpoint (adapter weights over a base model) is refused."""
+    from torchrl_agent.models import load_model
+    from torchrl_agent.trainers.config import ModelConfig
+
+    path, out = Path(path), Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose another folder")
+    state = read_checkpoint(path)
+    model_cfg = dict((state.get("config") or {}).get("model") or {})
+    if not model_cfg:
+        raise CheckpointLoadError(f"checkpoint {path} holds no model config: which model it trained is unknown")
+    if model_cfg.get("lora_rank", 0) > 0:
+        raise CheckpointLoadError(f"checkpoint {path} is of a LoRA run (model.lora_rank={model_cfg['lora_rank']}): "
+                                  "exporting adapters over their base model is not supported")
+    known = {f for f in ModelConfig.__dataclass_fields__}
+    model, tokenizer = load_model(ModelConfig(**{k: v for k, v in model_cfg.items() if k in known}),
+                                  dtype=torch.float32)
+    check_model_state(model_shapes(state), {k: v.shape for k, v in model.state_dict().items()}, path,
+                      state.get("config"))
+    model.load_state_dict(read_weights(path, state))
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchrl_agent.trainers.checkpointing",
                                      description="Check or convert torchrl-agent checkpoints.")
@@ -490,7 +796,17 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("new")
     v = sub.add_parser("verify", help="read and verify checkpoints (no code runs)")
     v.add_argument("paths", nargs="+")
+    e = sub.add_parser("export", help="the weights as a Hugging Face folder (safetensors), either format")
+    e.add_argument("checkpoint")
+    e.add_argument("out")
     args = parser.parse_args(argv)
+    if args.command == "export":
+        try:
+            print(f"exported {args.checkpoint} -> {export_hf(args.checkpoint, args.out)}")
+        except (OSError, CheckpointLoadError) as err:
+            print(f"export: {err}", file=sys.stderr)
+            return 1
+        return 0
     if args.command == "convert":
         try:
             print(f"converted {args.old} -> {convert(args.old, args.new)}")

@@ -30,7 +30,7 @@ from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.models import load_model
 from torchrl_agent.modules import HTTPPolicy, TransformersPolicy
-from torchrl_agent.trainers.checkpointing import check_model_state, read_checkpoint
+from torchrl_agent.trainers.checkpointing import check_model_state, model_shapes, read_checkpoint, read_weights
 from torchrl_agent.trainers.config import TrainConfig
 
 __all__ = ["evaluate_policy"]
@@ -44,9 +44,9 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     model, tokenizer = load_model(cfg.model)
     if e.checkpoint:  # read and verified, no code of the file runs; another model's weights: one line
         state = read_checkpoint(e.checkpoint)
-        check_model_state(state["model"], {k: v.shape for k, v in model.state_dict().items()}, e.checkpoint,
+        check_model_state(model_shapes(state), {k: v.shape for k, v in model.state_dict().items()}, e.checkpoint,
                           state.get("config"))
-        model.load_state_dict(state["model"])
+        model.load_state_dict(read_weights(e.checkpoint, state))  # a sharded checkpoint's shards assembled
     model.eval()
     if e.endpoint:
         policy = HTTPPolicy(e.endpoint, tokenizer, model=e.endpoint_model or "default",

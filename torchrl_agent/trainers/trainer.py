@@ -64,23 +64,25 @@ from torchrl_agent.trainers.checkpointing import (
     check_model_state,
     check_resume_config,
     fsync_path,
+    load_weights,
+    model_shapes,
     numpy_state,
     plain_numpy_state,
     prune_checkpoints,
     read_checkpoint,
+    remove_unfinished,
+    save_weights,
     write_checkpoint,
 )
 from torchrl_agent.trainers.config import TrainConfig
 from torchrl_agent.trainers.distributed import (
     broadcast_object,
     clip_grad_norm,
-    full_optimizer_state_dict,
     full_state_dict,
     full_weights,
     init_distributed,
     is_distributed,
     is_main_process,
-    load_full_optimizer_state_dict,
     load_full_state_dict,
     reduce_mean,
     shard_indices,
@@ -478,18 +480,12 @@ class Trainer:
         :class:`CheckpointError` (nothing written, the previous checkpoint intact) when the weights
         hold NaN/inf or when the write fails (a full disk)."""
         path = Path(path or self.run_dir / "checkpoints" / f"iteration_{self.iteration:05d}.pt")
-        model_state = full_state_dict(self.model)  # every rank gathers; rank 0 holds and writes
-        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer)
+        kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
+        weights = save_weights(self.model, self.optimizer, path, kept=kept)  # under torchrun: each rank its shards
         if not is_main_process():
             return path
-        kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
-        bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
-               and not torch.isfinite(v).all()]
-        if bad:
-            raise CheckpointError(f"not writing {path}: {len(bad)} weight tensors hold NaN/inf (first: {bad[0]}); "
-                                  f"the training diverged (lower algorithm.lr, kl_coef or entropy_coef); {kept}")
         state = {
-            "model": model_state, "optimizer": optimizer_state,
+            **weights,  # "model" and "optimizer" (one process), or "shards" (torchrun: checkpointing.write_shards)
             "iteration": self.iteration, "collector": self.collector.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": plain_numpy_state()},
             # the metrics history is kept once, in metrics.jsonl: its count and digest here (run_dir.checkpoint_history)
@@ -509,10 +505,9 @@ class Trainer:
         if is_main_process():
             state = self._resume_state if path == self.resume_path and self._resume_state else read_checkpoint(path)
             self._resume_state = None
-            check_model_state(state["model"], {k: v.shape for k, v in self.model.state_dict().items()}, path,
+            check_model_state(model_shapes(state), {k: v.shape for k, v in self.model.state_dict().items()}, path,
                               state.get("config"))
-        load_full_state_dict(self.model, state.get("model", {}))
-        load_full_optimizer_state_dict(self.model, self.optimizer, state.get("optimizer", {}))
+        load_weights(self.model, self.optimizer, path, state)  # a checkpoint of any number of ranks
         self.sync_weights()  # the rollout engine gets the loaded weights
         self.iteration = broadcast_object(state.get("iteration"))
         # every rank's collector and algorithm hooks resume at rank 0's place
@@ -689,11 +684,10 @@ class Trainer:
         if is_main_process():
             path, self._resume_state = check_run_dir(self.run_dir, self.cfg.resume, self.cfg.checkpoint_every)
             if self._resume_state is not None:  # the same model, then the same experiment (one line naming the keys)
-                check_model_state(self._resume_state["model"], {k: v.shape for k, v in self.model.state_dict().items()},
+                check_model_state(model_shapes(self._resume_state), {k: v.shape for k, v in self.model.state_dict().items()},
                                   path, self._resume_state.get("config"))
                 check_resume_config(self._resume_state.get("config"), dataclasses.asdict(self.cfg), path)
-            for stale in (self.run_dir / "checkpoints").glob("*.tmp"):  # writes a killed run did not finish
-                stale.unlink(missing_ok=True)
+            remove_unfinished(self.run_dir / "checkpoints")  # writes a killed run did not finish
         path = broadcast_object(None if path is None else str(path))
         return None if path is None else Path(path)
 
