@@ -223,10 +223,14 @@ def _check_memory_slot(cfg) -> None:
 
 
 def _check_template(template) -> None:
+    from torchrl_agent.envs.registry import load_env_packages
     from torchrl_agent.envs.transforms import PROMPT_TEMPLATES, REFERENCE_TEMPLATES
 
+    if template is None or template == "reference":
+        return
+    load_env_packages()  # every env's package registers its templates
     names = ["reference", *PROMPT_TEMPLATES, *REFERENCE_TEMPLATES]
-    if template is None or template in names:
+    if template in names:
         return
     if "{observation}" not in template:
         raise ConfigError(f"env.template={template!r}: neither a template name ({', '.join(names)}) "
