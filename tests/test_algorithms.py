@@ -21,7 +21,7 @@ def test_every_algorithm_has_a_config():
     names = {compose_config(["experiment=smoke", f"algorithm={c}"]).algorithm.name for c in CONFIGS}
     builtin = {name for name, algorithm in ALGORITHM_REGISTRY.items()
                if (algorithm.advantage or algorithm.critic).__module__.startswith("torchrl_agent.")}
-    assert names == builtin and len(builtin) == 12
+    assert builtin and names == builtin  # every registered built-in has a YAML, every YAML a registered algorithm
 
 
 @pytest.mark.parametrize("config", CONFIGS)
