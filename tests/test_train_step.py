@@ -346,3 +346,40 @@ def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
     assert rows["old_log_prob"].device.type == "cpu" and "ref_log_prob" in rows.keys()
     for key in ("log_prob", "mask", "old_log_prob", "ref_log_prob", "advantage"):
         assert batch[key].device.type == "meta", key
+
+
+class _Receiver:
+    """A collector or an engine that records the weights it is given."""
+
+    def __init__(self):
+        self.got = []
+
+    def update_policy_weights_(self, state):
+        self.got.append(state)
+
+    update_weights = update_policy_weights_
+
+
+@pytest.mark.parametrize("name, engine_copy, sharded, distributed", [
+    ("shared", "model", False, False), ("copy", "bf16", False, False), ("own", None, False, False),
+    ("own", None, False, True), ("ranks", "bf16", False, True), ("collector", None, True, False),
+])
+def test_the_weight_sync_is_chosen_once_for_the_engines_of_the_run(name, engine_copy, sharded, distributed):
+    from torchrl_agent.trainers.weight_sync import choose_weight_sync
+
+    model = torch.nn.Linear(3, 2)
+    copy = {"model": model, "bf16": torch.nn.Linear(3, 2).to(torch.bfloat16), None: None}[engine_copy]
+    collector, policy = _Receiver(), _Receiver()
+    chosen, sync = choose_weight_sync(model, copy, policy, collector, compute_dtype=torch.bfloat16,
+                                      sharded_collector=sharded, distributed=distributed)
+    assert chosen == name
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an update
+    sync()
+    if engine_copy == "bf16":  # the engine's own copy holds the trained weights, cast
+        assert torch.equal(copy.weight, model.weight.detach().to(torch.bfloat16))
+    sent = {"shared": 0, "copy": 1, "own": 1, "ranks": 0, "collector": 1}[name]
+    assert len(collector.got) == sent and len(policy.got) == (name == "collector")
+    if name in ("own", "collector"):  # the full weights in the compute dtype
+        assert collector.got[0]["weight"].dtype == torch.bfloat16
+        assert torch.equal(collector.got[0]["weight"], model.weight.detach().to(torch.bfloat16))

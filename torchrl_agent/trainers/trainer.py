@@ -79,7 +79,6 @@ from torchrl_agent.trainers.distributed import (
     clip_grad_norm,
     full_optimizer_state_dict,
     full_state_dict,
-    full_weights,
     init_distributed,
     is_distributed,
     is_main_process,
@@ -112,6 +111,7 @@ from torchrl_agent.trainers.run_dir import (
     records_digest,
 )
 from torchrl_agent.trainers.validate import validate_config
+from torchrl_agent.trainers.weight_sync import choose_weight_sync
 
 __all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
            "token_budget_batches"]
@@ -152,6 +152,10 @@ class Trainer:
         self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
         self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
         self.weight_sync_s = 0.0  # the last weight sync's seconds
+        # how the trained weights reach the engines after every update (trainers/weight_sync.py)
+        self.weight_sync, self._sync_weights = choose_weight_sync(
+            self.model, self.rollout_model, self.policy, self.collector, compute_dtype=self.compute_dtype,
+            sharded_collector=sharded, distributed=is_distributed())
         self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
@@ -431,34 +435,12 @@ class Trainer:
         return out
 
     def sync_weights(self) -> None:
-        """Hands the trained weights to the rollout engines, in the compute dtype; the seconds it
-        takes go to :attr:`weight_sync_s` (``weight_sync_s`` in the metrics).
-
-        Under torchrun every rank calls it: the FSDP2 shards are all-gathered into full weights on
-        every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
-        them into its own engine."""
+        """Hands the trained weights to the rollout engines as :attr:`weight_sync` says (chosen once,
+        when the rollout is built: :mod:`.weight_sync`); the seconds it takes go to
+        :attr:`weight_sync_s` (``weight_sync_s`` in the metrics). Under torchrun every rank calls it."""
         t0 = time.perf_counter()
         self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
-        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
-            state = full_weights(self.model, self.compute_dtype)
-            self.collector.update_policy_weights_(state)
-            if self.rollout_model is None:
-                self.policy.update_weights(state)
-            elif self.rollout_model is not self.model:
-                self.rollout_model.load_state_dict(state)
-        elif is_distributed():
-            state = full_weights(self.model, self.compute_dtype)
-            if self.rollout_model is not None:
-                self.rollout_model.load_state_dict(state)
-            else:  # an engine with its own weights (vLLM)
-                self.collector.update_policy_weights_(state)
-        elif self.rollout_model is None:  # an engine with its own weights (vLLM)
-            self.collector.update_policy_weights_({k: v.detach().to(self.compute_dtype) if v.is_floating_point()
-                                                   else v for k, v in self.model.state_dict().items()})
-        elif self.rollout_model is not self.model:
-            state = self.model.state_dict()
-            self.rollout_model.load_state_dict(state)  # cast into the engine's copy
-            self.collector.update_policy_weights_(state)
+        self._sync_weights()
         self.weight_sync_s = time.perf_counter() - t0
 
     @torch.no_grad()
