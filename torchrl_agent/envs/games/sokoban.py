@@ -408,8 +408,9 @@ register_template("sokoban_grid", (
     "Moves: {admissible_actions}"
 ))
 
-# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim.
-_SOKOBAN_TEMPLATE_NO_HIS = (
+# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim;
+# the text without history and the one with it share their beginning and their end.
+_SOKOBAN_HEAD = (
     "\n"
     "You are an expert agent operating in the Sokoban environment.\n"
     "\n"
@@ -431,7 +432,8 @@ _SOKOBAN_TEMPLATE_NO_HIS = (
     "To avoid traps, do not push boxes into corners or against walls where they can't be moved again.\n"
     "\n"
     "# Current Step\n"
-    "Your current observation is:\n"
+)
+_SOKOBAN_TAIL = (
     "{current_observation}\n"
     "Your admissible actions are [\"up\", \"down\", \"left\", \"right\"].\n"
     "\n"
@@ -439,37 +441,13 @@ _SOKOBAN_TEMPLATE_NO_HIS = (
     "You should first reason step-by-step about the current situation — observe the positions of boxes and targets, plan a path to push a box toward a target, and avoid traps like corners or walls. This reasoning process MUST be enclosed within <think> </think> tags. \n"
     "Once you've finished your reasoning, you should choose an admissible action for current step and present it within <action> </action> tags.\n"
 )
-_SOKOBAN_TEMPLATE = (
-    "\n"
-    "You are an expert agent operating in the Sokoban environment.\n"
-    "\n"
-    "# Symbols and Their Meaning\n"
-    "- Walls (`#`): These block movement. You can't move through or push anything into walls.\n"
-    "- Floor (`_`): Open spaces where you can walk and move boxes.\n"
-    "- Targets (`O`): The spots where boxes need to go.\n"
-    "- Boxes (`X`): These are what you need to push onto the targets.\n"
-    "- Player (`P`): That's you! You'll move around the grid to push boxes.\n"
-    "- Box on Target (`√`): A box successfully placed on a target.\n"
-    "- Player on Target (`S`): You standing on a target.\n"
-    "\n"
-    "# Your Goal\n"
-    "Your goal is to push all the boxes (`X`) onto the target spots (`O`). Once all boxes are on the targets, you win!\n"
-    "\n"
-    "# Rules\n"
-    "You can only push boxes. You can't pull them, so plan ahead to avoid getting stuck.\n"
-    "You can't walk through or push boxes into walls (`#`).\n"
-    "To avoid traps, do not push boxes into corners or against walls where they can't be moved again.\n"
-    "\n"
-    "# Current Step\n"
+_SOKOBAN_TEMPLATE_NO_HIS = _SOKOBAN_HEAD + (
+    "Your current observation is:\n"
+) + _SOKOBAN_TAIL
+_SOKOBAN_TEMPLATE = _SOKOBAN_HEAD + (
     "Prior to this step, you have already taken {step_count} step(s). Below are the most recent {history_length} observations and the corresponding actions you took: {action_history}\n"
     "You are now at step {current_step} and your current observation is:\n"
-    "{current_observation}\n"
-    "Your admissible actions are [\"up\", \"down\", \"left\", \"right\"].\n"
-    "\n"
-    "Now it's your turn to make a move (choose ONE action only for the current step).\n"
-    "You should first reason step-by-step about the current situation — observe the positions of boxes and targets, plan a path to push a box toward a target, and avoid traps like corners or walls. This reasoning process MUST be enclosed within <think> </think> tags. \n"
-    "Once you've finished your reasoning, you should choose an admissible action for current step and present it within <action> </action> tags.\n"
-)
+) + _SOKOBAN_TAIL
 register_template("reference_sokoban", ReferenceTemplate(_SOKOBAN_TEMPLATE_NO_HIS, _SOKOBAN_TEMPLATE))
 
 

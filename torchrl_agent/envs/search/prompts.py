@@ -14,32 +14,27 @@ register_template("search", (
     "You have taken {step} turns. Latest information: {observation}"
 ))
 
-# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim.
-_SEARCH_TEMPLATE_NO_HIS = (
+# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim;
+# the text without history and the one with it share their beginning and their end.
+_SEARCH_HEAD = (
     "\n"
     "You are an expert agent tasked with answering the given question step-by-step.\n"
     "Your question: {task_description}\n"
     "\n"
+)
+_SEARCH_TAIL = (
     "Now it's your turn to respond for the current step.\n"
     "You should first conduct reasoning process. This process MUST be enclosed within <think> </think> tags. \n"
     "After completing your reasoning, choose only one of the following actions (do not perform both):\n"
     "(1) If you find you lack some knowledge, you can call a search engine to get more external information using format: <search> your query </search>.\n"
     "(2) If you have enough knowledge to answer the question confidently, provide your final answer within <answer> </answer> tags, without detailed illustrations. For example, <answer>Beijing</answer>.\n"
 )
-_SEARCH_TEMPLATE = (
-    "\n"
-    "You are an expert agent tasked with answering the given question step-by-step.\n"
-    "Your question: {task_description}\n"
-    "\n"
+_SEARCH_TEMPLATE_NO_HIS = _SEARCH_HEAD + _SEARCH_TAIL
+_SEARCH_TEMPLATE = _SEARCH_HEAD + (
     "Prior to this step, you have already taken {step_count} step(s). Below is the interaction history where <search> </search> wrapped your past search queries and <information> </information> wrapped the corresponding search results returned by the external search engine. History:\n"
     "{memory_context}\n"
     "\n"
-    "Now it's your turn to respond for the current step.\n"
-    "You should first conduct reasoning process. This process MUST be enclosed within <think> </think> tags. \n"
-    "After completing your reasoning, choose only one of the following actions (do not perform both):\n"
-    "(1) If you find you lack some knowledge, you can call a search engine to get more external information using format: <search> your query </search>.\n"
-    "(2) If you have enough knowledge to answer the question confidently, provide your final answer within <answer> </answer> tags, without detailed illustrations. For example, <answer>Beijing</answer>.\n"
-)
+) + _SEARCH_TAIL
 register_template("reference_search", ReferenceTemplate(_SEARCH_TEMPLATE_NO_HIS, _SEARCH_TEMPLATE, history="search"))
 
 
