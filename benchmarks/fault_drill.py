@@ -19,7 +19,7 @@ Faults (all on this machine, no network beyond 127.0.0.1):
 
 Crashes, restarts, damaged or hostile checkpoints, shared run directories, full disks, signals
 and dead collector processes are ``benchmarks/chaos.py``'s (a supervised 30-iteration run) and
-``tests/test_resilience.py`` / ``tests/test_faults_collectors.py`` / ``tests/test_collector_ray.py``'s.
+``tests/test_run_dir.py`` / ``tests/test_collector_multiprocess.py`` / ``tests/test_collector_ray.py``'s.
 
 For each fault: ``completed`` (the program ended as designed: the run finished, or refused or
 stopped with a message, with no traceback), ``rows_lost`` (training: the rows left out of the

@@ -15,7 +15,7 @@ import json
 import re
 import time
 
-from torchrl_agent.envs.transforms import REFERENCE_FORMATS, project_action
+from torchrl_agent.envs.transforms import project_action, reference_formats
 
 # the previous implementation's patterns (tags format), quadratic on unclosed tags
 _OLD_THINK = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -50,7 +50,7 @@ def main() -> None:
         out["old_s"][label] = round(best_of(lambda p=pathological: old_tags(p), repeats), 4)
         out["new_s"][label] = round(best_of(lambda p=pathological: project_action(p, "tags", max_chars=None)), 5)
         out["new_all_formats_s"][label] = round(best_of(lambda p=pathological: [
-            project_action(p, fmt, max_chars=None) for fmt in ("tags", "json", "search", *REFERENCE_FORMATS)]), 5)
+            project_action(p, fmt, max_chars=None) for fmt in ("tags", "json", "search", *reference_formats())]), 5)
     out["speedup_160kB"] = round(out["old_s"]["160kB"] / out["new_s"]["160kB"], 1)
     # linear: 10x the text takes about 10x the time (quadratic: about 100x)
     out["new_growth_16kB_to_160kB"] = round(out["new_s"]["160kB"] / out["new_s"]["16kB"], 1)

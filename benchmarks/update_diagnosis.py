@@ -68,10 +68,10 @@ class DiagnosedTrainer(Trainer):
         self._steps_per_epoch = -(-rows.batch_size[0] // self.cfg.algorithm.minibatch_size)
         return super().update(rows)
 
-    def loss_inputs(self, rows, idx, old, ref, advantage, active=True):
-        batch = super().loss_inputs(rows, idx, old, ref, advantage, active)
+    def loss_inputs(self, rows, idx, active=True):
+        batch = super().loss_inputs(rows, idx, active)
         if torch.is_grad_enabled():  # the training forward of a mini-batch (not the KL budget's check)
-            self._micro.append((rows, list(idx), old, ref, advantage, active, batch["log_prob"].detach(),
+            self._micro.append((rows, list(idx), active, batch["log_prob"].detach(),
                                 batch["mask"], batch["old_log_prob"], batch["advantage"]))
         return batch
 

@@ -345,7 +345,7 @@ def test_env_num_workers_is_a_config_key():
 def test_checkpoint_write_failures_are_named_and_keep_the_previous_one(tmp_path):
     """A write over the file-size limit (``ulimit -f``: EFBIG, what a quota does) fails cleanly:
     named, the previous checkpoint intact, no ``.tmp`` left; NaN weights are never written.
-    (A real full disk: tests/test_resilience.py.)"""
+    (A real full disk: tests/test_run_dir.py.)"""
     import resource
 
     from torchrl_agent.trainers import Trainer

@@ -97,7 +97,7 @@ def test_the_graph_is_read():
     assert set(LAYERS) <= {name.split(".")[1] for name in graph if "." in name}
     # a known edge of each kind: module level, inside a function, and `from pkg import submodule`
     assert "torchrl_agent.trainers.config" in graph["torchrl_agent.trainers.trainer"]
-    assert "torchrl_agent.modules.vllm_policy" in graph["torchrl_agent.trainers.builders"]
+    assert "torchrl_agent.modules.vllm_policy" in graph["torchrl_agent.trainers.engines"]
     assert "torchrl_agent.trainers.algorithms.ppo" in graph["torchrl_agent.trainers.algorithms"]
 
 

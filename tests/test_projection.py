@@ -16,13 +16,13 @@ from torchrl.envs import Compose, TransformedEnv
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import (
-    REFERENCE_FORMATS,
     ActionProjection,
     PromptTransform,
     WindowMemory,
     project_action,
+    reference_formats,
 )
-from torchrl_agent.envs.transforms.projection import _block, _first_of
+from torchrl_agent.envs.transforms.projection import _first_of, tag_block
 
 
 @pytest.mark.parametrize(
@@ -74,7 +74,7 @@ def test_malformed_outputs_never_raise():
     invalid_utf8 = b"<think>\xff\xfe</think><action>\xc3</action>".decode("utf-8", errors="replace")
     surrogates = "<think>x</think><action>\udcff</action>"
     for response in ["", "no tags at all", "x" * 20_000, invalid_utf8, surrogates, "\x00\x1b[31m", None, 17]:
-        for fmt in ("tags", "json", "search", *REFERENCE_FORMATS):
+        for fmt in ("tags", "json", "search", *reference_formats()):
             action, valid = project_action(response, fmt)
             assert isinstance(action, str) and isinstance(valid, bool)
             assert len(action) <= 30 or valid
@@ -102,7 +102,7 @@ def test_linear_scanner_equals_the_backtracking_regex_on_random_inputs():
         for name in ("action", "search", "answer", "think"):
             match = re.search(rf"<{name}>(.*?)</{name}>", text, re.DOTALL | re.IGNORECASE)
             expected = None if match is None else (match.start(), match.group(1))
-            assert _block(text, name) == expected, text
+            assert tag_block(text, name) == expected, text
         match = re.search(r"<(search|answer)>(.*?)</\1>", text, re.DOTALL | re.IGNORECASE)
         first = _first_of(text)
         assert (first is None) == (match is None), text
@@ -112,7 +112,7 @@ def test_linear_scanner_equals_the_backtracking_regex_on_random_inputs():
 
 
 @pytest.mark.timeout(20)
-@pytest.mark.parametrize("fmt", ["tags", "json", "search", *REFERENCE_FORMATS])
+@pytest.mark.parametrize("fmt", ["tags", "json", "search", *reference_formats()])
 def test_pathological_200kb_responses_parse(fmt):
     # each of these took quadratic time with the old backtracking patterns (a 160 kB one took 22 s);
     # the timeout is a guard, the speed figure is benchmarks/parse_speed.py's

@@ -74,7 +74,7 @@ NOT_RUN = {
     'python my_train.py "hydra.searchpath=[file://$PWD/my_configs]" experiment=smoke algorithm=toy':
         "the reader's own script; tests/test_toy_algorithm.py trains the same toy algorithm",
     "python benchmarks/chaos.py --iterations 30 --schedule mixed --seed 0":
-        "30-iteration chaos benchmarks (many trainer launches); tests/test_resilience.py runs the short one",
+        "30-iteration chaos benchmarks (many trainer launches); tests/test_run_dir.py runs the short one",
 }
 PYTHON = [block for block in _blocks("python") if block[2].splitlines()[0] not in NOT_RUN]
 BASH = _blocks("bash")

@@ -13,6 +13,7 @@ from torchrl.envs import Compose, TransformedEnv
 from torchrl.envs.utils import step_mdp
 
 from torchrl_agent.envs import make_env
+from torchrl_agent.envs.registry import load_env_packages
 from torchrl_agent.envs.transforms import (
     PROMPT_TEMPLATES,
     ActionProjection,
@@ -55,6 +56,7 @@ def test_replay_equality(name, memory_kind, tokenizer, tiny_model, tmp_path_fact
     summarizer = TransformersPolicy(tiny_model, tokenizer, max_new_tokens=8)
     memory = {"window": WindowMemory(2), "full": FullHistory(), "none": NoHistory(),
               "summary": SummaryMemory(1, summarizer=summarizer, max_summary_tokens=8)}[memory_kind]
+    load_env_packages(name)  # the env's package registers its template
     prompt = PromptTransform(tokenizer, name if name in PROMPT_TEMPLATES else
                              ("cards" if fmt == "json" else "default"))
     projection = ActionProjection(fmt)

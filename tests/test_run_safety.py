@@ -79,7 +79,7 @@ def test_resume_lists_what_may_change_and_experts_may_allow_more(finished_run, t
 def test_sighup_asks_the_run_to_stop_at_the_end_of_the_iteration_like_sigterm(tmp_path):
     """SIGHUP (a closed terminal) is caught like SIGTERM: the run is asked to stop at its next safe
     point, and the stop says which signal and exits 129 (the end-to-end stop with a checkpoint is
-    test_resilience's SIGINT / SIGTERM test: the same code path)."""
+    test_run_dir's SIGINT / SIGTERM test: the same code path)."""
     from torchrl_agent.trainers.run_dir import StopSignals
 
     def before(signum, frame):  # SIGHUP's default action would end the test process

@@ -216,12 +216,11 @@ def test_bf16_loss_equals_the_fp32_loss_within_bf16_tolerance(tmp_path):
     rows["advantage"] = torch.linspace(-1.5, 2.0, rows.batch_size[0]).reshape(rows["advantage"].shape)
     idx = list(range(rows.batch_size[0]))
     trainer.autocast_enabled = False
-    old = trainer.recompute(trainer.model, rows)
-    ref = trainer.reference_log_probs(rows)
-    fp32 = trainer.loss_inputs(rows, idx, old, ref, rows["advantage"].reshape(-1))
+    trainer.score(rows)
+    fp32 = trainer.loss_inputs(rows, idx)
     fp32_loss = trainer.loss(fp32)
     trainer.autocast_enabled = True
-    bf16 = trainer.loss_inputs(rows, idx, old, ref, rows["advantage"].reshape(-1))
+    bf16 = trainer.loss_inputs(rows, idx)
     bf16_loss = trainer.loss(bf16)
     mask = fp32["mask"]
     diff = (bf16["log_prob"] - fp32["log_prob"])[mask].abs()
@@ -322,7 +321,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert metrics["approx_kl_max"] > 0.05  # unbounded, the update goes past the budget used below
     bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.max_kl=0.01"]))
     before = {k: v.clone() for k, v in bounded.model.state_dict().items()}
-    old = bounded.recompute(bounded.model, rows)  # the sampling policy's log-probs (same weights as `free`'s start)
+    scored = bounded.score(rows.clone())  # the sampling policy's log-probs (same weights as `free`'s start)
     metrics = bounded.update(rows.clone())
     assert metrics["kl_step_halvings"] >= 1  # the first step alone was over the budget: halved
     assert metrics["approx_kl_max"] <= 0.01
@@ -330,8 +329,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     moved = any(not torch.equal(v, before[k]) for k, v in bounded.model.state_dict().items())
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
-    assert bounded.minibatch_kl(rows, list(range(rows.batch_size[0])), True, old, None,
-                                rows["advantage"].float()) <= 0.01 + 1e-6
+    assert bounded.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
 
 
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
@@ -341,11 +339,47 @@ def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
     the actor's output moved to the ``meta`` device stands for one."""
     trainer, rows = trainer_and_rows
     idx = list(range(rows.batch_size[0]))
-    old = trainer.recompute(trainer.model, rows)
-    ref = trainer.reference_log_probs(rows)
+    trainer.score(rows)
     actor = trainer.actor
     monkeypatch.setattr(trainer, "actor", lambda td: actor(td).detach().to("meta"))
-    batch = trainer.loss_inputs(rows, idx, old, ref, rows["advantage"].reshape(-1))
-    assert old[0].device.type == "cpu" and ref is not None
+    batch = trainer.loss_inputs(rows, idx)
+    assert rows["old_log_prob"].device.type == "cpu" and "ref_log_prob" in rows.keys()
     for key in ("log_prob", "mask", "old_log_prob", "ref_log_prob", "advantage"):
         assert batch[key].device.type == "meta", key
+
+
+class _Receiver:
+    """A collector or an engine that records the weights it is given."""
+
+    def __init__(self):
+        self.got = []
+
+    def update_policy_weights_(self, state):
+        self.got.append(state)
+
+    update_weights = update_policy_weights_
+
+
+@pytest.mark.parametrize("name, engine_copy, sharded, distributed", [
+    ("shared", "model", False, False), ("copy", "bf16", False, False), ("own", None, False, False),
+    ("own", None, False, True), ("ranks", "bf16", False, True), ("collector", None, True, False),
+])
+def test_the_weight_sync_is_chosen_once_for_the_engines_of_the_run(name, engine_copy, sharded, distributed):
+    from torchrl_agent.trainers.weight_sync import choose_weight_sync
+
+    model = torch.nn.Linear(3, 2)
+    copy = {"model": model, "bf16": torch.nn.Linear(3, 2).to(torch.bfloat16), None: None}[engine_copy]
+    collector, policy = _Receiver(), _Receiver()
+    chosen, sync = choose_weight_sync(model, copy, policy, collector, compute_dtype=torch.bfloat16,
+                                      sharded_collector=sharded, distributed=distributed)
+    assert chosen == name
+    with torch.no_grad():
+        model.weight.add_(1.0)  # an update
+    sync()
+    if engine_copy == "bf16":  # the engine's own copy holds the trained weights, cast
+        assert torch.equal(copy.weight, model.weight.detach().to(torch.bfloat16))
+    sent = {"shared": 0, "copy": 1, "own": 1, "ranks": 0, "collector": 1}[name]
+    assert len(collector.got) == sent and len(policy.got) == (name == "collector")
+    if name in ("own", "collector"):  # the full weights in the compute dtype
+        assert collector.got[0]["weight"].dtype == torch.bfloat16
+        assert torch.equal(collector.got[0]["weight"], model.weight.detach().to(torch.bfloat16))

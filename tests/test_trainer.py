@@ -104,6 +104,23 @@ def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
     assert "eval.checkpoint" in capsys.readouterr().err
 
 
+def test_eval_runs_a_checkpoint_with_the_vllm_engine(tmp_path, capsys):
+    """``torchrl-agent eval rollout.engine=vllm``: the checkpoint's weights, loaded into a vLLM engine,
+    play the panel as the transformers engine plays it (greedy: the same responses, the same result)."""
+    assert main(["train", *SMALL, "iterations=1", "eval_every=0", "warm_start.steps=0", "algorithm.lr=1e-2",
+                 f"run_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    args = ["eval", "experiment=smoke", "env.eval_episodes=4", "env.max_steps=3", "rollout.max_new_tokens=8",
+            "progress=false", "rollout.eval_temperature=0", f"eval.checkpoint={tmp_path / 'checkpoints' / 'last.pt'}"]
+    results = {}
+    for engine in ("transformers", "vllm"):
+        assert main([*args, f"rollout.engine={engine}"]) == 0
+        results[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert (results["transformers"]["engine"], results["vllm"]["engine"]) == ("transformers", "vllm")
+    for key in ("episodes", "success", "episode_reward", "response_tokens_total", "action_valid"):
+        assert results["vllm"][key] == results["transformers"][key], key
+
+
 def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(tmp_path):
     import torch
 

@@ -12,34 +12,17 @@ from __future__ import annotations
 from torchrl.envs import Compose, TransformedEnv
 
 from torchrl_agent.envs import make_env
-from torchrl_agent.envs.transforms import (
-    ActionProjection,
-    ActionWindow,
-    FullHistory,
-    NoHistory,
-    PromptTransform,
-    SummaryMemory,
-    WindowMemory,
-    resolve_template,
-)
+from torchrl_agent.envs.transforms import MEMORY_REGISTRY, ActionProjection, PromptTransform, resolve_template
 
 __all__ = ["build_env", "build_memory", "prompt_budget"]
 
 
 def build_memory(cfg, policy=None):
-    """The memory transform of a ``memory`` config; ``policy`` summarises for ``kind=summary``."""
-    if cfg.kind == "summary":
-        return SummaryMemory(cfg.k, summarizer=policy, max_summary_tokens=cfg.max_summary_tokens,
-                             summarize_every=cfg.summarize_every)
-    if cfg.kind == "window":
-        return WindowMemory(cfg.k)
-    if cfg.kind == "actions":
-        return ActionWindow(cfg.k)
-    if cfg.kind == "full":
-        return FullHistory()
-    if cfg.kind == "none":
-        return NoHistory()
-    raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use window, actions, full, none or summary")
+    """The memory transform of a ``memory`` config: the class :data:`MEMORY_REGISTRY` holds for
+    ``cfg.kind``, built by its ``from_config``; ``policy`` summarises for ``kind=summary``."""
+    if cfg.kind not in MEMORY_REGISTRY:
+        raise ValueError(f"memory.kind: unknown memory {cfg.kind!r}; use one of {', '.join(MEMORY_REGISTRY)}")
+    return MEMORY_REGISTRY[cfg.kind].from_config(cfg, policy)
 
 
 def prompt_budget(cfg, tokenizer) -> int:

@@ -1,5 +1,8 @@
 """The environment registry: a name -> the ``TextEnv`` class (or its ``"module:attribute"`` path) that
-:func:`torchrl_agent.envs.make_env` and the env worker processes build."""
+:func:`torchrl_agent.envs.make_env` and the env worker processes build. An env's module also
+registers its prompt templates and parsing rules
+(:func:`~torchrl_agent.envs.transforms.templates.register_template`,
+:func:`~torchrl_agent.envs.transforms.projection.register_format`): :func:`load_env_packages` imports it."""
 
 from __future__ import annotations
 
@@ -7,14 +10,13 @@ import importlib
 from collections.abc import Callable
 
 from torchrl_agent.envs.base import TextEnv
-from torchrl_agent.envs.games.numberline import NumberLineEnv
 
-__all__ = ["ENV_REGISTRY", "env_constructor", "register_env"]
+__all__ = ["ENV_REGISTRY", "env_constructor", "load_env_packages", "register_env"]
 
 #: name -> a TextEnv subclass (or any callable taking TextEnv's keyword arguments), or its
 #: ``"module:attribute"`` path, imported on first use so optional dependencies stay optional.
 ENV_REGISTRY: dict[str, Callable[..., TextEnv] | str] = {
-    "numberline": NumberLineEnv,
+    "numberline": "torchrl_agent.envs.games.numberline:NumberLineEnv",
     "ezpoints": "torchrl_agent.envs.games.gym_cards:EZPointsEnv",
     "points24": "torchrl_agent.envs.games.gym_cards:Points24Env",
     "blackjack": "torchrl_agent.envs.games.gym_cards:BlackjackEnv",
@@ -41,3 +43,11 @@ def env_constructor(name: str) -> Callable[..., TextEnv]:
         module, attribute = constructor.split(":")
         constructor = ENV_REGISTRY[name] = getattr(importlib.import_module(module), attribute)
     return constructor
+
+
+def load_env_packages(*names: str) -> None:
+    """Import the modules of the registered environments ``names`` (every one when none is given), so
+    that the prompt templates and parsing rules they register are there; unknown names are skipped."""
+    for name in names or list(ENV_REGISTRY):
+        if name in ENV_REGISTRY:
+            env_constructor(name)

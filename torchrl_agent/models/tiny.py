@@ -85,6 +85,10 @@ def writable_cache(folder: Path) -> Path:
     return folder
 
 
+#: The prompt templates of the corpora, in the recipe's order (the env packages register them: their
+#: order of registration may change, this order may not).
+_CORPUS_TEMPLATES = ("default", "numberline", "alfworld", "sokoban", "sokoban_grid", "numberline_short", "babyai_short",
+                     "babyai_history", "ezpoints_short", "cards", "search", "webshop", "appworld")
 #: Prompt templates added after the ``tiny`` recipe was fixed: in ``tiny-large``'s corpus only (a changed
 #: corpus rebuilds ``tiny`` into another model, and every figure measured on it would move).
 _NOT_IN_TINY = ("numberline_short", "babyai_short")
@@ -97,9 +101,9 @@ def tiny_corpus(*, all_templates: bool = False) -> list[str]:
     """The tokenizer's training text: prompt templates, tag format and seeded episodes' text
     (``all_templates``: also the templates of :data:`_NOT_IN_TINY`)."""
     from torchrl_agent.envs import make_env
-    from torchrl_agent.envs.transforms.prompt import PROMPT_TEMPLATES
+    from torchrl_agent.envs.transforms import resolve_template
 
-    texts = [t for name, t in PROMPT_TEMPLATES.items()
+    texts = [resolve_template(name, "") for name in _CORPUS_TEMPLATES
              if name not in _NOT_IN_ANY and (all_templates or name not in _NOT_IN_TINY)]
     texts += [
         "<think>The target is larger, so I move right.</think><action>+</action>",

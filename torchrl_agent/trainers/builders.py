@@ -9,9 +9,8 @@ import logging
 
 from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
-from torchrl_agent.models import model_path
-from torchrl_agent.modules import TransformersPolicy
 from torchrl_agent.trainers.algorithms import get_algorithm
+from torchrl_agent.trainers.engines import get_engine, vllm_engine_kwargs
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
            "prompt_budget", "rollout_config", "vllm_engine_kwargs"]
@@ -20,36 +19,18 @@ logger = logging.getLogger("torchrl_agent")
 
 
 def build_policy(cfg, model, tokenizer):
-    """The rollout engine of ``rollout.engine``: ``transformers`` (shares ``model``) or ``vllm``
-    (its own copy of the weights, refreshed by ``update_weights`` after every update)."""
-    r = cfg.rollout
-    if r.engine == "transformers":
-        return TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                  batch_size=r.batch_size)
-    if r.engine == "vllm":
-        from torchrl_agent.modules.vllm_policy import VLLMPolicy
-
-        if cfg.model.lora_rank > 0:
-            raise ValueError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
-        return VLLMPolicy(tokenizer=tokenizer, **vllm_engine_kwargs(cfg, tokenizer))
-    raise ValueError(f"rollout.engine: unknown engine {r.engine!r}; use transformers or vllm")
-
-
-def vllm_engine_kwargs(cfg, tokenizer) -> dict:
-    """The keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` for ``cfg`` (all picklable:
-    also the engine server's of :class:`~torchrl_agent.collectors.MultiProcessStepCollector`)."""
-    r = cfg.rollout
-    budget = prompt_budget(cfg, tokenizer)  # the engine's context fits every prompt the env sends
-    return dict(model_path=str(model_path(cfg.model)), dtype=cfg.model.dtype, seed=cfg.seed,
-                max_new_tokens=r.max_new_tokens, temperature=r.temperature, max_prompt_tokens=budget,
-                max_model_len=r.max_model_len or budget + r.max_new_tokens,
-                max_num_seqs=r.max_num_seqs or r.batch_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, sleep_mode=r.sleep_mode)
+    """The rollout engine of ``rollout.engine`` (:data:`~torchrl_agent.trainers.engines.ENGINE_REGISTRY`):
+    ``transformers`` (shares ``model``), ``vllm`` (its own copy of the weights, refreshed by
+    ``update_weights`` after every update), or any registered engine."""
+    engine = get_engine(cfg.rollout.engine)
+    if engine.check is not None:
+        engine.check(cfg)
+    return engine.build(cfg, model if engine.shares_weights else None, tokenizer)
 
 
 def engine_ranks(cfg) -> int:
-    """Ranks per rollout engine: ``rollout.tensor_parallel_size`` for vLLM, 1 for transformers."""
-    return cfg.rollout.tensor_parallel_size if cfg.rollout.engine == "vllm" else 1
+    """Ranks per rollout engine (``rollout.tensor_parallel_size`` for vLLM, 1 for transformers)."""
+    return get_engine(cfg.rollout.engine).ranks(cfg)
 
 
 def rollout_config(cfg, split: str = "train"):
@@ -111,16 +92,9 @@ def _sharded_collector(cfg, tokenizer):
 
         return MultiProcessStepCollector(ConfigEnvFactory(cfg), engine=vllm_engine_kwargs(cfg, tokenizer),
                                          engine_threads=c.engine_threads, **common)
-    from torchrl_agent.collectors.ray import PolicyFactory, RayStepCollector
+    from torchrl_agent.collectors.ray import RayStepCollector
 
-    if r.engine == "vllm":
-        kwargs = vllm_engine_kwargs(cfg, tokenizer)
-        factory = PolicyFactory("vllm", kwargs.pop("model_path"), dtype=kwargs.pop("dtype"), kwargs=kwargs)
-    else:  # a transformers copy of the model in each actor, sampling each request from its seed
-        factory = PolicyFactory("transformers", str(model_path(cfg.model)), dtype=cfg.model.dtype,
-                                kwargs=dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                            batch_size=r.batch_size))
-    return RayStepCollector(ConfigEnvFactory(cfg), factory, **common)
+    return RayStepCollector(ConfigEnvFactory(cfg), get_engine(r.engine).ray_factory(cfg, tokenizer), **common)
 
 
 def build_advantage(cfg):

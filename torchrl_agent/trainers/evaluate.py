@@ -2,9 +2,10 @@
 
 The panel is seed-determined (episode ``j`` starts from the odd seed ``2 * (seed + j) + 1``), so
 the same ``env.eval_episodes`` and ``seed`` give the same episodes whatever the batch layout or
-the number of worker processes. The policy is a training checkpoint (``eval.checkpoint``), a model
-folder (``model.path``) or an OpenAI-compatible endpoint (``eval.endpoint``, the prompt-only
-baseline), sampled at ``rollout.eval_temperature``.
+the number of worker processes. The policy is a training checkpoint (``eval.checkpoint``) or a model
+folder (``model.path``) run by the engine of ``rollout.engine`` (transformers, vLLM, any registered
+one), or an OpenAI-compatible endpoint (``eval.endpoint``, the prompt-only baseline), sampled at
+``rollout.eval_temperature``.
 
 An endpoint's API key is read from the environment variable named by ``eval.api_key_env``
 (``OPENAI_API_KEY`` by default) and sent as ``Authorization: Bearer``: it is in no config, result or
@@ -20,6 +21,7 @@ truncated, counted as a failure): the result reports ``failed_episodes`` and the
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -29,9 +31,11 @@ from tensordict import lazy_stack
 from torchrl_agent.collectors import StepCollector, episode_metrics
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.models import load_model
-from torchrl_agent.modules import HTTPPolicy, TransformersPolicy
+from torchrl_agent.modules import HTTPPolicy
+from torchrl_agent.trainers.builders import build_policy
 from torchrl_agent.trainers.checkpointing import check_model_state, model_shapes, read_checkpoint, read_weights
 from torchrl_agent.trainers.config import TrainConfig
+from torchrl_agent.trainers.engines import get_engine
 
 __all__ = ["evaluate_policy"]
 
@@ -54,9 +58,8 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
                             timeout=e.timeout, retries=e.retries, on_error="truncate",
                             api_key=os.environ.get(e.api_key_env) or None)
         source, chunk = e.endpoint, e.chunk_episodes
-    else:
-        policy = TransformersPolicy(model, tokenizer, max_new_tokens=r.max_new_tokens,
-                                    temperature=r.eval_temperature, batch_size=r.batch_size)
+    else:  # the engine of rollout.engine, as training builds it, sampling at the evaluation temperature
+        policy = _engine_policy(cfg, model, tokenizer)
         source, chunk = e.checkpoint or cfg.model.path or cfg.model.name, cfg.env.eval_episodes
     t0 = time.perf_counter()
     parts, interrupted = [], False
@@ -66,7 +69,8 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     except KeyboardInterrupt:
         interrupted = True
         logger.warning("interrupted: reporting the %d finished chunk(s) of the panel", len(parts))
-    result = {"env": cfg.env.name, "policy": str(source), "episodes": 0, "success": 0.0}
+    result = {"env": cfg.env.name, "policy": str(source), "engine": "http" if e.endpoint else r.engine, "episodes": 0,
+              "success": 0.0}
     if parts:
         metrics = episode_metrics(lazy_stack([row for part in parts for row in part]))
         result.update(episodes=metrics.pop("episodes"), success=metrics.pop("success"), **metrics)
@@ -78,10 +82,20 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     return result
 
 
+def _engine_policy(cfg: TrainConfig, model, tokenizer):
+    """The rollout engine of ``rollout.engine`` (:func:`~torchrl_agent.trainers.builders.build_policy`)
+    at ``rollout.eval_temperature``; an engine with its own copy of the weights (vLLM) gets
+    ``model``'s (a checkpoint's) through ``update_weights``."""
+    r = cfg.rollout
+    policy = build_policy(dataclasses.replace(cfg, rollout=dataclasses.replace(r, temperature=r.eval_temperature)),
+                          model, tokenizer)
+    if cfg.eval.checkpoint and not get_engine(r.engine).shares_weights:
+        policy.update_weights(model.state_dict())
+    return policy
+
+
 def _run_chunk(cfg: TrainConfig, tokenizer, policy, first: int, size: int):
     """Episodes ``first .. first + size - 1`` of the panel (their seeds do not depend on the chunking)."""
-    import dataclasses
-
     chunk_cfg = dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, eval_episodes=size))
     env = build_env(chunk_cfg, tokenizer, split="eval", policy=policy)
     try:

@@ -17,6 +17,7 @@ from torch import nn
 
 from torchrl_agent.models import compute_dtype, load_model, model_path
 from torchrl_agent.trainers.distributed import barrier, is_distributed, is_main_process, shard_model
+from torchrl_agent.trainers.engines import get_engine
 
 __all__ = ["TrainingModels", "apply_lora", "setup_models"]
 
@@ -85,10 +86,10 @@ def setup_models(cfg, device: torch.device, *, reference: bool) -> TrainingModel
         ref = shard_model(copy.deepcopy(model).to(dtype).eval().requires_grad_(False))
     # the transformers engine's weights: the training model itself (float32, one process), else a
     # copy in the compute dtype on every rank (a forward of the sharded model is collective; each
-    # rank collects with its own engine), loaded by sync_weights after every update; the vLLM
-    # engine holds its own copy (None here)
+    # rank collects with its own engine), loaded by sync_weights after every update; an engine
+    # with its own copy (vLLM) has None here
     rollout_model = None
-    if cfg.rollout.engine == "transformers":
+    if get_engine(cfg.rollout.engine).shares_weights:
         rollout_model = model
         if lowp or is_distributed():
             rollout_model = copy.deepcopy(model).to(dtype).eval()

@@ -2,12 +2,13 @@
 
 One iteration (:meth:`Trainer.train`, the same loop on every rank under torchrun)::
 
-    rows = collect_rows()                           # one row per env step, complete groups, with advantages:
-                                                    # per row (GRPO, GiGPO, ...) or per token (PPO's GAE, REINFORCE++)
-    old_log_prob, ref_log_prob = recompute_log_probs(rows)   # trainer-side, no grad
+    rows = collect_rows()                           # one row per env step, complete groups; score(rows) writes
+                                                    # "old_log_prob" and "ref_log_prob" into them (no grad, once),
+                                                    # then the advantages: per row (GRPO, GiGPO, ...) or per token
+                                                    # (PPO's GAE, REINFORCE++)
     for epoch, minibatch of rows:                   # one optimizer step per mini-batch
         for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
-            (weight * ClipPolicyLoss(log_prob(micro), ...)).backward()  # accumulates the mini-batch's gradient
+            (weight * ClipPolicyLoss(loss_inputs(micro))).backward()  # accumulates the mini-batch's gradient
         clip -> AdamW step (skipped when the gradient norm is not finite)
     policy.update_weights(...)                      # engines with their own weights
     evaluate on the held-out panel every `eval_every` iterations
@@ -42,11 +43,13 @@ from tensordict import TensorDict, TensorDictBase
 
 from torchrl_agent.collectors import episode_metrics
 from torchrl_agent.modules import ResponseLogProbs
-from torchrl_agent.trainers.algorithms import AlgorithmHooks
+from torchrl_agent.trainers.algorithms import AlgorithmHooks, AlgorithmParts
 from torchrl_agent.trainers.batching import (
+    fit_width,
     micro_batches,
     minibatch_advantage,
     pad_ragged,
+    response_mask,
     row_lengths,
     token_budget_batches,
 )
@@ -79,7 +82,6 @@ from torchrl_agent.trainers.distributed import (
     broadcast_object,
     clip_grad_norm,
     full_state_dict,
-    full_weights,
     init_distributed,
     is_distributed,
     is_main_process,
@@ -111,6 +113,7 @@ from torchrl_agent.trainers.run_dir import (
     records_digest,
 )
 from torchrl_agent.trainers.validate import validate_config
+from torchrl_agent.trainers.weight_sync import choose_weight_sync
 
 __all__ = ["CheckpointError", "Trainer", "TrainingDivergedError", "build_env", "micro_batches", "prompt_budget",
            "token_budget_batches"]
@@ -151,6 +154,10 @@ class Trainer:
         self.env = None if sharded else build_env(rollout_config(cfg), self.tokenizer, policy=self.policy)
         self.collector = build_collector(cfg, self.env, self.policy, tokenizer=self.tokenizer)
         self.weight_sync_s = 0.0  # the last weight sync's seconds
+        # how the trained weights reach the engines after every update (trainers/weight_sync.py)
+        self.weight_sync, self._sync_weights = choose_weight_sync(
+            self.model, self.rollout_model, self.policy, self.collector, compute_dtype=self.compute_dtype,
+            sharded_collector=sharded, distributed=is_distributed())
         self.recomputed_rows: list[int] = []  # the rows this rank recomputed last (its share)
         self.advantage = build_advantage(cfg)
         self.actor = ResponseLogProbs(self.model, self.tokenizer.pad_token_id, temperature=r.temperature,
@@ -158,7 +165,8 @@ class Trainer:
         self.loss = build_loss(cfg)  # before the hooks: PPO's critic trains with this loss's value term
         # the algorithm's parts (baseline episodes, critic) and options (dynamic sampling, KL in the
         # reward) around collection and advantages: every rank, on the same gathered rows
-        self.hooks = AlgorithmHooks(cfg, self)
+        self.hooks = AlgorithmHooks(cfg, AlgorithmParts(self.tokenizer, self.device, self.loss, self.policy,
+                                                        self.collector))
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=a.lr, weight_decay=a.weight_decay,
                                            eps=a.adam_eps)
         # the run directory (run_dir.py): a new folder of its own, or run_dir=, held by a lock
@@ -207,16 +215,27 @@ class Trainer:
             compute, lengths, lambda share: token_budget_batches(share, lengths, a.micro_batch_tokens))
         return out
 
-    def recompute_log_probs(self, rows: TensorDictBase) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The rows' old log-probs (under the policy that collected them, before any step of this
-        iteration) and their reference log-probs (``None`` without a KL term), per row, 1-D float32.
+    def score(self, rows: TensorDictBase) -> TensorDictBase:
+        """Writes into ``rows``, under the loss's ``tensor_keys``, their old log-probs (``old_log_prob``:
+        under the policy that collected them, before any step of this iteration) and, with a KL term
+        (``algorithm.kl_coef > 0`` or ``kl_in_reward``), their reference log-probs (``ref_log_prob``):
+        ``[N, T]`` float32 on the CPU, zero after each response (``T``: the longest). Once per
+        iteration, before the KL-in-reward penalty and the update.
 
         Every rank calls it with the same rows (a forward of the sharded model is collective)."""
-        return self.recompute(self.model, rows), self.reference_log_probs(rows)
+        keys = self.loss.tensor_keys
+        old = self.recompute(self.model, rows)
+        width = max(1, max((len(x) for x in old), default=1))
+        rows.set(keys.old_log_prob, pad_ragged(old, width, "cpu"))
+        ref = self.reference_log_probs(rows)
+        if ref is not None:
+            rows.set(keys.ref_log_prob, pad_ragged(ref, width, "cpu"))
+        return rows
 
     def reference_log_probs(self, rows: TensorDictBase) -> list[torch.Tensor] | None:
-        """The KL reference's per-row log-probs (None without a KL term)."""
-        if self.cfg.algorithm.kl_coef <= 0:
+        """The KL reference's per-row log-probs (None without a KL term: neither ``kl_coef`` nor ``kl_in_reward``)."""
+        a = self.cfg.algorithm
+        if a.kl_coef <= 0 and not a.kl_in_reward:
             return None
         if self.cfg.model.lora_rank > 0:
             with self.model.disable_adapter():
@@ -228,20 +247,23 @@ class Trainer:
         a = self.cfg.algorithm
         return micro_batches(rows, idx, active, budget=a.micro_batch_tokens, aggregation=a.aggregation)
 
-    def loss_inputs(self, rows: TensorDictBase, idx: list[int], old, ref, advantage, active: bool = True) -> TensorDict:
-        """The loss module's input for rows ``idx``: current log-probs and entropies (with grad, in
-        the compute dtype), the recomputed old and reference log-probs and the advantage, ``[n, T]``."""
+    def loss_inputs(self, rows: TensorDictBase, idx: list[int], active: bool = True) -> TensorDict:
+        """The loss module's input for rows ``idx``, under its ``tensor_keys``: current log-probs and
+        entropies (with grad, in the compute dtype), and the rows' old and reference log-probs
+        (:meth:`score`) and advantages, ``[n, T]``, on the model's device."""
+        keys = self.loss.tensor_keys
+        part = rows[idx]
         with self.autocast():
-            current = self.actor(rows[idx])
+            current = self.actor(part)
         width = current["log_prob"].shape[-1]
         mask = current["mask"] & active
         batch = TensorDict({
-            "log_prob": current["log_prob"], "entropy": current["entropy"], "mask": mask,
-            "old_log_prob": pad_ragged([old[i] for i in idx], width, mask.device),
-            "advantage": minibatch_advantage(advantage, idx, width).to(mask.device),
+            keys.log_prob: current["log_prob"], keys.entropy: current["entropy"], keys.mask: mask,
+            keys.advantage: minibatch_advantage(part.get(keys.advantage), slice(None), width).to(mask.device),
         }, batch_size=[len(idx)])
-        if ref is not None:
-            batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width, mask.device)
+        for key in (keys.old_log_prob, keys.ref_log_prob):
+            if key in part.keys():
+                batch[key] = fit_width(part.get(key), width).to(mask.device).contiguous()
         return batch
 
     def optimizer_step(self) -> tuple[float, bool]:
@@ -298,10 +320,10 @@ class Trainer:
         n = rows.batch_size[0]
         for group in self.optimizer.param_groups:
             group["lr"] = self.scheduled_lr()
-        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
-        old, ref = self.recompute_log_probs(rows)
-        consistency = self.logprob_consistency(rows, old)
-        advantage = rows["advantage"].float()  # [N, 1] per row or [N, T] per token
+        if self.loss.tensor_keys.old_log_prob not in rows.keys():  # rows not from collect_rows
+            self.policy.release_memory()
+            self.score(rows)
+        consistency = self.logprob_consistency(rows)
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + self.iteration)
         totals: dict[str, float] = {}
         steps = skipped = halvings = undone = 0
@@ -319,7 +341,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 step: dict[str, torch.Tensor] = {}
                 for micro, weight, live in self.micro_batches(rows, idx, active):
-                    losses = self.loss(self.loss_inputs(rows, micro, old, ref, advantage, live))
+                    losses = self.loss(self.loss_inputs(rows, micro, live))
                     total = sum(v for k, v in losses.items() if k.startswith("loss_"))
                     (weight * total).backward()  # sum over micro-batches (and ranks): the mini-batch's gradient
                     for k, v in [*losses.items(), ("loss", total)]:
@@ -337,7 +359,7 @@ class Trainer:
                 if was_skipped:
                     continue
                 if before is not None:  # the KL budget: measured after the step, halved or undone
-                    kl_after, halved = self.limit_step(rows, idx, active, old, ref, advantage, before)
+                    kl_after, halved = self.limit_step(rows, idx, active, before)
                     halvings += halved
                     if kl_after is None:  # undone: the weights are those measured by kl_before
                         undone += 1
@@ -359,15 +381,15 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
-    def minibatch_kl(self, rows: TensorDictBase, idx: list[int], active: bool, old, ref, advantage) -> float:
+    def minibatch_kl(self, rows: TensorDictBase, idx: list[int], active: bool) -> float:
         """``approx_kl`` (KL(sampling || current), k3, token mean) of the current policy on this rank's
         rows ``idx`` of a mini-batch, averaged over the ranks: one forward pass, no gradient."""
-        kl = sum(weight * self.loss(self.loss_inputs(rows, micro, old, ref, advantage, live))["approx_kl"]
+        kl = sum(weight * self.loss(self.loss_inputs(rows, micro, live))["approx_kl"]
                  for micro, weight, live in self.micro_batches(rows, idx, active))
         return float(reduce_mean(kl))
 
     @torch.no_grad()
-    def limit_step(self, rows, idx, active, old, ref, advantage, before: list[torch.Tensor]) -> tuple[float | None, int]:
+    def limit_step(self, rows, idx, active, before: list[torch.Tensor]) -> tuple[float | None, int]:
         """``algorithm.max_kl``, a KL budget for the whole update (a trust region, as TRPO's line
         search): after an optimizer step the mini-batch's ``approx_kl`` to the sampling policy is
         measured again; while it is over ``max_kl`` the step is halved (``theta = (theta + theta_before) / 2``),
@@ -378,7 +400,7 @@ class Trainer:
         a = self.cfg.algorithm
         params = self.trained_parameters()
         for halved in range(a.max_kl_backtracks + 1):
-            kl = self.minibatch_kl(rows, idx, active, old, ref, advantage)
+            kl = self.minibatch_kl(rows, idx, active)
             if kl <= a.max_kl:
                 return kl, halved
             if halved < a.max_kl_backtracks:
@@ -391,14 +413,15 @@ class Trainer:
                        2 ** a.max_kl_backtracks, a.max_kl)
         return None, a.max_kl_backtracks
 
-    def logprob_consistency(self, rows: TensorDictBase, recomputed: list[torch.Tensor]) -> dict[str, float]:
+    def logprob_consistency(self, rows: TensorDictBase) -> dict[str, float]:
         """The engine's sampling log-probs against the trainer's recomputation of the same tokens
-        (before any update): they should agree; a gap means the engine samples from another
-        distribution than the one trained (stale weights, dtype, sampling settings)."""
+        (the rows' ``old_log_prob``, :meth:`score`): they should agree; a gap means the engine samples
+        from another distribution than the one trained (stale weights, dtype, sampling settings)."""
         sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
         width = sampled.shape[-1]
-        mask = pad_ragged([torch.ones(len(r)) for r in recomputed], width).bool()
-        diff = (sampled.to(mask.device) - pad_ragged(recomputed, width).to(mask.device)).abs()[mask]
+        mask = response_mask(rows, width)
+        recomputed = fit_width(rows.get(self.loss.tensor_keys.old_log_prob), width)
+        diff = (sampled.to(mask.device) - recomputed.to(mask.device)).abs()[mask]
         out = {"logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
                "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0}
         owner = getattr(self.collector, "owner", None)
@@ -414,34 +437,12 @@ class Trainer:
         return out
 
     def sync_weights(self) -> None:
-        """Hands the trained weights to the rollout engines, in the compute dtype; the seconds it
-        takes go to :attr:`weight_sync_s` (``weight_sync_s`` in the metrics).
-
-        Under torchrun every rank calls it: the FSDP2 shards are all-gathered into full weights on
-        every rank (:func:`~torchrl_agent.trainers.distributed.full_weights`), and each rank loads
-        them into its own engine."""
+        """Hands the trained weights to the rollout engines as :attr:`weight_sync` says (chosen once,
+        when the rollout is built: :mod:`.weight_sync`); the seconds it takes go to
+        :attr:`weight_sync_s` (``weight_sync_s`` in the metrics). Under torchrun every rank calls it."""
         t0 = time.perf_counter()
         self.policy.resume()  # the engine's memory, freed during the update (rollout.sleep_mode)
-        if self.cfg.collector.kind != "step":  # the collector's engines, and this process's (evaluation)
-            state = full_weights(self.model, self.compute_dtype)
-            self.collector.update_policy_weights_(state)
-            if self.rollout_model is None:
-                self.policy.update_weights(state)
-            elif self.rollout_model is not self.model:
-                self.rollout_model.load_state_dict(state)
-        elif is_distributed():
-            state = full_weights(self.model, self.compute_dtype)
-            if self.rollout_model is not None:
-                self.rollout_model.load_state_dict(state)
-            else:  # an engine with its own weights (vLLM)
-                self.collector.update_policy_weights_(state)
-        elif self.rollout_model is None:  # an engine with its own weights (vLLM)
-            self.collector.update_policy_weights_({k: v.detach().to(self.compute_dtype) if v.is_floating_point()
-                                                   else v for k, v in self.model.state_dict().items()})
-        elif self.rollout_model is not self.model:
-            state = self.model.state_dict()
-            self.rollout_model.load_state_dict(state)  # cast into the engine's copy
-            self.collector.update_policy_weights_(state)
+        self._sync_weights()
         self.weight_sync_s = time.perf_counter() - t0
 
     @torch.no_grad()
@@ -565,7 +566,10 @@ class Trainer:
         metrics = {**faults, **sampling}
         if rows is None:
             return None, metrics
-        rows, prepared = self.hooks.prepare(rows, self.advantage)  # advantages (+ PPO's critic update)
+        self.policy.release_memory()  # collection is over: free the engine's memory (rollout.sleep_mode)
+        self.score(rows)  # old (and reference) log-probs, written into the rows once
+        rows, prepared = self.hooks.prepare(rows, self.advantage, self.iteration, self.loss.tensor_keys)  # advantages
+        # (+ KL in the reward, PPO's critic update)
         metrics.update(episode_metrics(rows), **prepared)
         return rows, metrics
 

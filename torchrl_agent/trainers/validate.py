@@ -2,7 +2,7 @@
 
 Hydra checks the keys and their types against :mod:`~torchrl_agent.trainers.config`; this module
 checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorithm.epochs >= 1``,
-sizes ``>= 1``, rates finite and ``> 0``), names from a fixed set (``memory.kind``,
+sizes ``>= 1``, rates finite and ``> 0``), names from a registry or a fixed set (``memory.kind``,
 ``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
 ``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
 that a template string holds the ``{observation}`` placeholder, and that the files a run reads
@@ -19,9 +19,11 @@ import math
 import os
 from pathlib import Path
 
+from torchrl_agent.envs.transforms import MEMORY_REGISTRY
 from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
+from torchrl_agent.trainers.engines import ENGINE_REGISTRY
 
 __all__ = ["ConfigError", "validate_config"]
 
@@ -51,9 +53,9 @@ _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.log
                  "algorithm.grad_clip", "algorithm.episode_weight")
 
 
-# key -> its valid values
+# key -> its valid values (the registries' names are read when a config is checked: one registered later counts)
 _CHOICES = {
-    "memory.kind": ("window", "actions", "full", "none", "summary"), "rollout.engine": ("transformers", "vllm"),
+    "memory.kind": MEMORY_REGISTRY, "rollout.engine": ENGINE_REGISTRY,
     "algorithm.norm": ("mean_std", "mean"), "algorithm.aggregation": AGGREGATIONS,
     "algorithm.ratio": ("token", "sequence"), "collector.kind": ("step", "multiprocess", "ray"),
     "algorithm.lr_schedule": ("constant", "cosine"),
@@ -98,8 +100,9 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
         value = _get(cfg, key)
         if value is not None and value not in valid:
             raise ConfigError(f"{key}={value!r}: must be one of {', '.join(valid)}")
-    if cfg.rollout.engine == "vllm" and cfg.model.lora_rank > 0:
-        raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    engine = ENGINE_REGISTRY[cfg.rollout.engine]
+    if engine.check is not None:
+        engine.check(cfg)
     _check_endpoint(cfg)
     _check_collector(cfg)
     _check_algorithm(cfg)
@@ -158,6 +161,9 @@ def _check_collector(cfg) -> None:
                           "(every rank collects its share of the groups with its own engine)")
     if c.kind == "multiprocess" and cfg.rollout.engine != "vllm":
         raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm")
+    if c.kind == "ray" and ENGINE_REGISTRY[cfg.rollout.engine].ray_factory is None:
+        raise ConfigError(f"collector.kind=ray: rollout.engine={cfg.rollout.engine} builds no engine in a Ray actor; "
+                          "use collector.kind=step")
     if c.num_collectors > cfg.env.num_groups:
         raise ConfigError(f"collector.num_collectors={c.num_collectors}: at most env.num_groups={cfg.env.num_groups} "
                           "(every collector steps whole groups)")
@@ -199,12 +205,13 @@ def _looks_like_path(value: str) -> bool:
 
 
 def _check_memory_slot(cfg) -> None:
-    """A window, actions or summary memory fills the template's ``{history}`` slot: without one the
-    model never sees it (the run would be the memoryless one under another name)."""
+    """A memory that writes history lines (its ``fills_history``: a window, actions or summary memory)
+    fills the template's ``{history}`` slot: without one the model never sees it (the run would be
+    the memoryless one under another name)."""
     from torchrl_agent.envs.transforms import resolve_template
 
     m = cfg.memory
-    if m.kind not in ("window", "actions", "summary") or (m.kind in ("window", "actions") and m.k == 0):
+    if not MEMORY_REGISTRY[m.kind].fills_history(m):
         return
     try:
         template = resolve_template(cfg.env.template, cfg.env.name)
@@ -216,10 +223,14 @@ def _check_memory_slot(cfg) -> None:
 
 
 def _check_template(template) -> None:
+    from torchrl_agent.envs.registry import load_env_packages
     from torchrl_agent.envs.transforms import PROMPT_TEMPLATES, REFERENCE_TEMPLATES
 
+    if template is None or template == "reference":
+        return
+    load_env_packages()  # every env's package registers its templates
     names = ["reference", *PROMPT_TEMPLATES, *REFERENCE_TEMPLATES]
-    if template is None or template in names:
+    if template in names:
         return
     if "{observation}" not in template:
         raise ConfigError(f"env.template={template!r}: neither a template name ({', '.join(names)}) "

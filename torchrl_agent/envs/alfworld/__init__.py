@@ -44,6 +44,7 @@ Modules: ``files`` (task types, data layout, finding games), ``game`` (one game 
 ``generator`` (offline game generation) and ``env`` (the batched env).
 """
 
+from torchrl_agent.envs.alfworld import prompts as _prompts  # noqa: F401 - registers its templates
 from torchrl_agent.envs.alfworld.env import ALFWorldEnv
 from torchrl_agent.envs.alfworld.files import TASK_TYPES, find_game_files, task_type_of
 from torchrl_agent.envs.alfworld.game import ALFWorldGame

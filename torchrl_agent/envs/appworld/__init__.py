@@ -34,6 +34,7 @@ the worker process), ``worker`` (the worker itself, run on AppWorld's Python) an
 and the env).
 """
 
+from torchrl_agent.envs.appworld import prompts as _prompts  # noqa: F401 - registers its templates
 from torchrl_agent.envs.appworld.client import AppWorldWorker, appworld_python
 from torchrl_agent.envs.appworld.env import AppWorldEnv, AppWorldGame, parse_code
 from torchrl_agent.envs.appworld.tasks import load_project_tasks

@@ -16,6 +16,7 @@ import numpy as np
 
 from torchrl_agent.envs.base import GameState, TextEnv
 from torchrl_agent.envs.games.gymnasium_adapter import GymnasiumTextGame
+from torchrl_agent.envs.transforms.templates import register_template
 
 __all__ = ["BabyAIGame", "BabyAIEnv", "render_babyai"]
 
@@ -262,3 +263,17 @@ class BabyAIEnv(TextEnv):
         check_babyai_shaping(shaping)
         super().__init__(lambda: BabyAIGame(level, max(10 * max_steps, 1000), expert, actions, shaping, invalid_reward),
                          max_steps=max_steps, **kwargs)
+
+
+# ------------------------------------------------------------------------------ prompts and parsing
+register_template("babyai_short", (
+    "{task}\n"
+    "{observation}"
+))
+# babyai_short with the memory's lines between the task and the view (a policy that sees its last
+# move can leave a left/right cycle that a memoryless one repeats; docs/learning.md)
+register_template("babyai_history", (
+    "{task}\n"
+    "{history}\n"
+    "{observation}"
+))

@@ -50,6 +50,8 @@ import numpy as np
 
 from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
 from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, SUITS, card_table
+from torchrl_agent.envs.transforms.projection import gym_cards_rule, register_format
+from torchrl_agent.envs.transforms.templates import ReferenceTemplate, register_template
 
 __all__ = [
     "FormulaGame", "EZPointsGame", "Points24Game", "BlackjackGame",
@@ -426,3 +428,137 @@ class BlackjackEnv(TextEnv):
 
     def __init__(self, *, expert: bool = True, max_steps: int = 15, **kwargs):
         super().__init__(lambda: BlackjackGame(expert), max_steps=max_steps, **kwargs)
+
+
+# ------------------------------------------------------------------------------ prompts and parsing
+register_template("ezpoints_short", (
+    "Write a formula equal to 12 using each card once, one token at a time, then =.\n"
+    "{history}\n"
+    "{observation}"
+))
+register_template("cards", (
+    "You play a card game one token at a time. First reason step by step inside <think> </think>, "
+    "then answer with a JSON object such as {{\"action\": \"+\"}}.\n"
+    "Your task: {task}\n"
+    "{history}\n"
+    "You have taken {step} steps. Current state: {observation}\n"
+    "Admissible actions: {admissible_actions}"
+))
+
+# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim.
+_BLACKJACK_TEMPLATE = (
+    "\n"
+    "<image>You are an expert blackjack player helping to decide the optimal action based on the current game state displayed in the image. \n"
+    "\n"
+    "From the image, you can see:\n"
+    "- Dealer (top): one face-up card and one face-down card.  \n"
+    "- Player (bottom): every card in your hand, laid left-to-right (wraps after five).\n"
+    "\n"
+    "Game Rules:\n"
+    "- Your goal is to get as close to 21 as possible without going over.\n"
+    "- Number cards (2–10) = their value. Face cards (J, Q, K) = 10. Aces (\"A\") = 1 or 11 (an ace is always counted as 11 (usable) unless it causes a bust).\n"
+    "- After you choose \"stand\", the dealer reveals the hidden card and draws until the hand total is 17 or higher.\n"
+    "- If a hand exceeds 21, it busts and loses immediately.\n"
+    "- A natural blackjack (Ace+10) can get an extra reward.\n"
+    "- The deck is infinite (with replacement).\n"
+    "\n"
+    "Admissible Actions:\n"
+    "- \"hit\": take another card.\n"
+    "- \"stand\": stop and let the dealer play.\n"
+    "\n"
+    "Your response should be a valid json file in the following format:\n"
+    "{{\n"
+    "\"thoughts\": \"Analyze the image to identify your cards and the dealer's visible card. Then, reason step-by-step based on optimal blackjack strategy under the above rules.\",\n"
+    "\"action\": \"an admissible action\"\n"
+    "}}\n"
+)
+_EZPOINTS_TEMPLATE = (
+    "\n"
+    "<image>You are an expert card game player helping to build a math formula that evaluates to **12**, using only the two numbers shown on the playing cards in the image. You may choose from the following actions: one of the two available card numbers, the operators '+' or '*', or the equals sign '='. You must build the formula step by step, adding only one character at a time to the end of the current formula.\n"
+    "\n"
+    "Card Rules:\n"
+    "1. The image shows exactly two playing cards.\n"
+    "2. Each card represents one number:\n"
+    "   - Number cards (2–10) equal their face value.\n"
+    "   - Face cards ('J', 'Q', 'K') are treated as the number 10.\n"
+    "   - Ace ('A') is treated as 1.\n"
+    "3. You can only use these two card numbers — no other numbers are allowed.\n"
+    "4. Each number can be used only once in the formula.\n"
+    "\n"
+    "Formula Rules:\n"
+    "1. At each step, you append only one character: a number (from the two card values), an operator ('+' or '*'), or '='.\n"
+    "2. Once you add '=', the formula is evaluated and the game ends.\n"
+    "\n"
+    "Rewards:\n"
+    "+10: if the formula evaluates exactly to 12.\n"
+    "0: otherwise (e.g., using a number not shown on the cards, reusing a number, incorrect syntax, not evaluating to 12).\n"
+    "\n"
+    "Now, you are given two card numbers as shown in the image, and the current formula is: '{text_formula}'\n"
+    "It's your turn to append the next character.\n"
+    "\n"
+    "Your response MUST be a valid JSON object in the following format:\n"
+    "{{\n"
+    "  \"thoughts\": \"Start by identifying the two card numbers shown in the image. Then review the current formula. Based on the remaining available characters and the goal of reaching 12, reason step-by-step to choose the next valid character to add.\",\n"
+    "  \"action\": \"next character (number, '+', '*', or '=') to append\"\n"
+    "}}\n"
+)
+_POINTS24_TEMPLATE = (
+    "\n"
+    "<image>You are an expert at solving the classic \"24 Game\", where you build an formula that evaluates exactly to **24**, using only the four numbers shown on the playing cards in the image. You may choose from the following actions: one of the four available card numbers, the operators ('+', '-', '*', '/'), the parentheses '(', ')', and the equals sign '='.\n"
+    "\n"
+    "Card Rules:\n"
+    "1. The image shows exactly four playing cards.\n"
+    "2. Each card represents one number:\n"
+    "   - Number cards (2–10) equal their face value.\n"
+    "   - Face cards ('J', 'Q', 'K') are treated as 10.\n"
+    "   - Ace ('A') is treated as 1.\n"
+    "3. You can only use these four card numbers — no other numbers are allowed.\n"
+    "4. Each card can be used only once in the formula.\n"
+    "\n"
+    "Formula Rules:\n"
+    "1. At each step, you append only one character: a number (from the four card values), an operator ('+', '-', '*', '/'), a parenthes ('(', ')'), or '='.\n"
+    "2. Once you add '=', the formula is evaluated and the game ends.\n"
+    "\n"
+    "Rewards:\n"
+    "+10: if the final formula is valid and equals 24, and all four card numbers are used.\n"
+    "0: otherwise (e.g., using a number not shown on the cards, reusing a number, incorrect syntax, not evaluating to 24).\n"
+    "\n"
+    "----\n"
+    "Here are three examples.\n"
+    "\n"
+    "Example 1:\n"
+    "The current formula is: '8*'  \n"
+    "Card numbers: '8', '3', '2', '1'  \n"
+    "Since '8*3*(2-1)=24', the correct action is: '3'\n"
+    "\n"
+    "Example 2:\n"
+    "The current formula is: '(10+2)*(4-2)'\n"
+    "Card numbers are: '4', '10', '2', '2'\n"
+    "Since '(10+2)*(4-2)=24', the correct action is: '='\n"
+    "\n"
+    "Example 3:\n"
+    "The current formula is: ''\n"
+    "Card numbers are: '6', '8', '1', '1'\n"
+    "Since '6*8/(1+1)=24', the correct action is: '6'\n"
+    "----\n"
+    "\n"
+    "Now, you are given four card numbers as shown in the image, and the current formula is: '{text_formula}'\n"
+    "It's your turn to append the next character.\n"
+    "\n"
+    "Your response MUST be a valid JSON object in the following format:\n"
+    "{{\n"
+    "  \"thoughts\": \"Start by identifying the four card numbers shown in the image. Then analyze the current formula. Determine what characters (card numbers, operators, or parentheses) are still available. Reason step-by-step how to build a valid formula that equals 24 and figure out the next character to append.\",\n"
+    "  \"action\": \"next character (number, '+', '-', '*', '/', '(', ')', or '=') to append\"\n"
+    "}}\n"
+)
+register_template("reference_blackjack", ReferenceTemplate(_BLACKJACK_TEMPLATE, _BLACKJACK_TEMPLATE, "none", image=True))
+register_template("reference_ezpoints", ReferenceTemplate(_EZPOINTS_TEMPLATE, _EZPOINTS_TEMPLATE, "none", image=True))
+register_template("reference_points24", ReferenceTemplate(_POINTS24_TEMPLATE, _POINTS24_TEMPLATE, "none", image=True))
+
+
+register_format("reference_blackjack", gym_cards_rule(("stand", "hit")), expert="json")
+_FORMULA_TOKENS = tuple(str(v) for v in range(1, 11))
+register_format("reference_ezpoints", gym_cards_rule((*_FORMULA_TOKENS, "+", "*", "="), ten_first=True),
+                expert="json")
+register_format("reference_points24", gym_cards_rule((*_FORMULA_TOKENS, "+", "-", "*", "/", "(", ")", "="),
+                                                     ten_first=True), expert="json")

@@ -26,6 +26,8 @@ import numpy as np
 
 from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
 from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, numberline_frame
+from torchrl_agent.envs.transforms.projection import gym_cards_rule, register_format
+from torchrl_agent.envs.transforms.templates import TAGS_INSTRUCTION, ReferenceTemplate, register_template
 
 __all__ = ["NumberLineGame", "NumberLineEnv"]
 
@@ -98,3 +100,36 @@ class NumberLineEnv(TextEnv):
         NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation)  # check the arguments now
         super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation),
                          max_steps=max_steps, **kwargs)
+
+
+# ------------------------------------------------------------------------------ prompts and parsing
+register_template("numberline", (
+    "You move a marker on a number line. Answer '+' to move right or '-' to move left. " + TAGS_INSTRUCTION + "\n"
+    "Your task: {task}\n"
+    "{history}\n"
+    "You have taken {step} steps. Current state: {observation}\n"
+    "Admissible actions: {admissible_actions}"
+))
+register_template("numberline_short", (
+    "Move the marker to the target: + right, - left.\n"
+    "{observation}"
+))
+
+# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim.
+_NUMBERLINE_TEMPLATE = (
+    "\n"
+    "<image>You are playing a game called number line. You will see a target number and a current number in the image. And your goal is to move the current number closer to the target by choosing either adding or subtracting one to the current number.\n"
+    "\n"
+    "Your response should be a valid json file in the following format: \n"
+    "{{\n"
+    "\"current number\": \"x\",\n"
+    "\"target number\": \"x\",\n"
+    "\"thoughts\": \"first read out the current and target number, then think carefully about which action to choose\",\n"
+    "\"action\": \"-\" or \"+\" \n"
+    "}}\n"
+)
+register_template("reference_numberline", ReferenceTemplate(_NUMBERLINE_TEMPLATE, _NUMBERLINE_TEMPLATE, "none",
+                                                     image=True))
+
+
+register_format("reference_numberline", gym_cards_rule(("-", "+")), expert="json")

@@ -46,6 +46,8 @@ import numpy as np
 
 from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
 from torchrl_agent.envs.games.images import TILE, sokoban_frame
+from torchrl_agent.envs.transforms.projection import reference_action_tags, register_format
+from torchrl_agent.envs.transforms.templates import TAGS_INSTRUCTION, ReferenceTemplate, register_template
 
 __all__ = ["SokobanGame", "SokobanEnv", "generate_room", "solve", "render_room"]
 
@@ -387,3 +389,77 @@ class SokobanEnv(TextEnv):
         if search_depth < 1:
             raise ValueError(f"search_depth must be >= 1, got {search_depth}")
         super().__init__(lambda: SokobanGame(dim, num_boxes, search_depth, expert), max_steps=max_steps, **kwargs)
+
+
+# ------------------------------------------------------------------------------ prompts and parsing
+register_template("sokoban", (
+    "You are a Sokoban solver. Push every box (X) onto a target (O) without getting stuck. "
+    "Symbols: # wall, _ floor, O target, X box, \u221a box on target, P player, S player on target. "
+    + TAGS_INSTRUCTION + "\n"
+    "{history}\n"
+    "You have taken {step} steps. Current room:\n{observation}\n"
+    "Admissible actions: {admissible_actions}"
+))
+# short prompts for the small bundled models (the learning benchmark): the state, the moves, no prose
+register_template("sokoban_grid", (
+    "Sokoban: push the box X onto the target O. P is you.\n"
+    "{history}\n"
+    "{observation}\n"
+    "Moves: {admissible_actions}"
+))
+
+# The reference's prompt texts (verl-agent, agent_system/environments/prompts/, upstream commit 796ed31), verbatim;
+# the text without history and the one with it share their beginning and their end.
+_SOKOBAN_HEAD = (
+    "\n"
+    "You are an expert agent operating in the Sokoban environment.\n"
+    "\n"
+    "# Symbols and Their Meaning\n"
+    "- Walls (`#`): These block movement. You can't move through or push anything into walls.\n"
+    "- Floor (`_`): Open spaces where you can walk and move boxes.\n"
+    "- Targets (`O`): The spots where boxes need to go.\n"
+    "- Boxes (`X`): These are what you need to push onto the targets.\n"
+    "- Player (`P`): That's you! You'll move around the grid to push boxes.\n"
+    "- Box on Target (`√`): A box successfully placed on a target.\n"
+    "- Player on Target (`S`): You standing on a target.\n"
+    "\n"
+    "# Your Goal\n"
+    "Your goal is to push all the boxes (`X`) onto the target spots (`O`). Once all boxes are on the targets, you win!\n"
+    "\n"
+    "# Rules\n"
+    "You can only push boxes. You can't pull them, so plan ahead to avoid getting stuck.\n"
+    "You can't walk through or push boxes into walls (`#`).\n"
+    "To avoid traps, do not push boxes into corners or against walls where they can't be moved again.\n"
+    "\n"
+    "# Current Step\n"
+)
+_SOKOBAN_TAIL = (
+    "{current_observation}\n"
+    "Your admissible actions are [\"up\", \"down\", \"left\", \"right\"].\n"
+    "\n"
+    "Now it's your turn to make a move (choose ONE action only for the current step).\n"
+    "You should first reason step-by-step about the current situation — observe the positions of boxes and targets, plan a path to push a box toward a target, and avoid traps like corners or walls. This reasoning process MUST be enclosed within <think> </think> tags. \n"
+    "Once you've finished your reasoning, you should choose an admissible action for current step and present it within <action> </action> tags.\n"
+)
+_SOKOBAN_TEMPLATE_NO_HIS = _SOKOBAN_HEAD + (
+    "Your current observation is:\n"
+) + _SOKOBAN_TAIL
+_SOKOBAN_TEMPLATE = _SOKOBAN_HEAD + (
+    "Prior to this step, you have already taken {step_count} step(s). Below are the most recent {history_length} observations and the corresponding actions you took: {action_history}\n"
+    "You are now at step {current_step} and your current observation is:\n"
+) + _SOKOBAN_TAIL
+register_template("reference_sokoban", ReferenceTemplate(_SOKOBAN_TEMPLATE_NO_HIS, _SOKOBAN_TEMPLATE))
+
+
+_REFERENCE_MOVES = ("up", "down", "left", "right", "still")
+
+
+def _reference_sokoban(response: str) -> tuple[str, bool]:
+    """verl-agent's ``sokoban_projection``: the first of its moves in the action text, capitalised
+    (``"Still"``, a no-op, and invalid when there is none)."""
+    action, think_ok = reference_action_tags(response)
+    move = next((m for m in _REFERENCE_MOVES if action is not None and m in action), None)
+    return (move or "still").capitalize(), think_ok and move is not None
+
+
+register_format("reference_sokoban", _reference_sokoban)

@@ -43,6 +43,7 @@ interface, BM25, the HTTP client), ``dense`` (the dense retriever), ``server`` (
 server) and ``env`` (the game and the env).
 """
 
+from torchrl_agent.envs.search import prompts as _prompts  # noqa: F401 - registers its templates
 from torchrl_agent.envs.search.answers import (
     INVALID_ACTION_MESSAGE,
     MAX_ACTION_CHARS,

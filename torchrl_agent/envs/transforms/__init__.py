@@ -10,10 +10,12 @@ from torchrl_agent.envs.transforms.memory import (
     load_memory,
 )
 from torchrl_agent.envs.transforms.projection import (
-    REFERENCE_FORMATS,
+    ACTION_FORMATS,
     ActionProjection,
     expert_response,
     project_action,
+    reference_formats,
+    register_format,
     resolve_format,
 )
 from torchrl_agent.envs.transforms.prompt import PromptTransform
@@ -22,9 +24,11 @@ from torchrl_agent.envs.transforms.templates import (
     PROMPT_TEMPLATES,
     REFERENCE_TEMPLATES,
     ReferenceTemplate,
+    register_template,
     resolve_template,
 )
 
-__all__ = ["MEMORY_REGISTRY", "PROMPT_TEMPLATES", "REFERENCE_FORMATS", "REFERENCE_TEMPLATES", "ActionProjection",
+__all__ = ["ACTION_FORMATS", "MEMORY_REGISTRY", "PROMPT_TEMPLATES", "REFERENCE_TEMPLATES", "ActionProjection",
            "ActionWindow", "FullHistory", "MemoryTransform", "NoHistory", "PromptTransform", "ReferenceTemplate", "SummaryMemory",
-           "WindowMemory", "expert_response", "load_memory", "project_action", "resolve_format", "resolve_template"]
+           "WindowMemory", "expert_response", "load_memory", "project_action", "reference_formats", "register_format",
+           "register_template", "resolve_format", "resolve_template"]

@@ -59,7 +59,9 @@ class MemoryTransform(Transform):
 
     Subclasses set ``kind`` and override :meth:`update` and :meth:`render`; constructor
     keyword arguments are stored in ``params`` and serialised with the state, so
-    ``load_memory(row["memory"])`` rebuilds the same memory.
+    ``load_memory(row["memory"])`` rebuilds the same memory. Setting ``kind`` registers the class in
+    :data:`MEMORY_REGISTRY`, the one list of ``memory.kind`` names: a run config builds it through
+    :meth:`from_config`, and :meth:`fills_history` says whether the template needs a ``{history}`` slot.
     """
 
     kind: ClassVar[str] = ""
@@ -72,6 +74,18 @@ class MemoryTransform(Transform):
     def __init__(self, **params: Any):
         super().__init__(in_keys=[], out_keys=["memory"])
         self.params = params
+
+    @classmethod
+    def from_config(cls, cfg: Any, policy: Any = None) -> MemoryTransform:
+        """This memory for a ``memory`` config section (``k``, ``max_summary_tokens``, ...; read duck-typed);
+        ``policy``: the run's rollout engine (a summarising memory's summariser)."""
+        return cls()
+
+    @classmethod
+    def fills_history(cls, cfg: Any) -> bool:
+        """Whether this memory, configured by ``cfg``, writes lines that only a template with a
+        ``{history}`` slot shows (checked at start: without the slot the model would never see them)."""
+        return False
 
     # ---------------------------------------------------------------- the two functions to override
     def update(self, records: list[dict], record: dict) -> list[dict]:
@@ -162,6 +176,14 @@ class WindowMemory(MemoryTransform):
         super().__init__(k=k)
         self.k = k
 
+    @classmethod
+    def from_config(cls, cfg, policy=None):
+        return cls(cfg.k)
+
+    @classmethod
+    def fills_history(cls, cfg):
+        return cfg.k > 0
+
     def update(self, records, record):
         return (records + [record])[-self.k:] if self.k else []
 
@@ -193,6 +215,14 @@ class NoHistory(WindowMemory):
     def __init__(self):
         super().__init__(k=0)
         self.params = {}
+
+    @classmethod
+    def from_config(cls, cfg, policy=None):
+        return cls()
+
+    @classmethod
+    def fills_history(cls, cfg):
+        return False
 
 
 class FullHistory(MemoryTransform):

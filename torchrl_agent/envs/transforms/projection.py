@@ -19,9 +19,12 @@ Two families of formats, both linear in the response length (every rule is a lef
 * ``"code"`` (AppWorld): ``<think>...</think>`` and ``<code>...</code>``; the action is the code,
   case and indentation kept.
 
-**Reference formats** (``"reference_<env>"``, see :data:`REFERENCE_FORMATS`): the parsing rules of
+**Reference formats** (``"reference_<env>"``, see :func:`reference_formats`): the parsing rules of
 verl-agent's ``env_package/*/projection.py``, rule for rule, so a model trained there sees the same
-validity here. ``"reference"`` with the env name (:func:`resolve_format`) picks the env's one.
+validity here. ``"reference"`` with the env name (:func:`resolve_format`) picks the env's one. Each
+is registered by its env's package (:func:`register_format`, in :data:`ACTION_FORMATS`, as any
+env's own rule is); the generic pieces they share (:func:`reference_action_tags`,
+:func:`gym_cards_rule`) are here.
 
 * ``reference_alfworld`` (and any free-text ``<action>`` env): the response is lower-cased; the
   action is the text between the first ``<action>`` and the first ``</action>``, stripped. No
@@ -48,6 +51,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDictBase
@@ -55,10 +60,12 @@ from torchrl.data import Categorical, Composite, NonTensor
 from torchrl.envs import Transform
 
 from torchrl_agent.envs.base import clean_text
+from torchrl_agent.envs.registry import load_env_packages
 from torchrl_agent.envs.transforms.memory import _string_stack, _strings
 
-__all__ = ["ActionProjection", "OUR_FORMATS", "REFERENCE_FORMATS", "expert_response", "project_action",
-           "resolve_format"]
+__all__ = ["ACTION_FORMATS", "ActionFormat", "ActionProjection", "OUR_FORMATS", "count_tag", "expert_response",
+           "gym_cards_rule", "project_action", "reference_action_tags", "reference_formats", "register_format",
+           "resolve_format", "response_tail", "tag_block"]
 
 #: Responses are cut to this many characters before parsing (a response is a few hundred tokens).
 MAX_RESPONSE_CHARS = 32_768
@@ -66,33 +73,62 @@ _TAIL = 30
 
 _JSON = re.compile(r"\{[^{}]*\}")  # an innermost {...}: linear (it cannot backtrack past a brace)
 _CJK = re.compile(r"[\u2e80-\u2fff\u3040-\u30ff\u3100-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
-_CJK_REFERENCE = re.compile(r"[\u4e00-\u9fff]")
 _TAG_CACHE: dict[str, re.Pattern] = {}
 
 OUR_FORMATS = ("tags", "json", "search", "code")
-#: env name -> the tokens of the reference's Gym Cards projection (``gym_projection``), in its order.
-_CARD_TOKENS = {
-    "numberline": ("-", "+"),
-    "blackjack": ("stand", "hit"),
-    "ezpoints": (*(str(v) for v in range(1, 11)), "+", "*", "="),
-    "points24": (*(str(v) for v in range(1, 11)), "+", "-", "*", "/", "(", ")", "="),
-}
-_SOKOBAN_MOVES = ("up", "down", "left", "right", "still")
-#: The reference's parsing rules, one per environment that the reference has.
-REFERENCE_FORMATS = ("reference_alfworld", "reference_sokoban", "reference_search",
-                     *(f"reference_{name}" for name in _CARD_TOKENS))
+
+
+@dataclass(frozen=True)
+class ActionFormat:
+    """One parsing rule of :data:`ACTION_FORMATS`.
+
+    Attributes:
+        parse: ``response -> (action, valid)``, on the response already cleaned and cut; never raises.
+        expert: how :func:`expert_response` writes an action for it: ``"tags"`` (``<action>a</action>``),
+            ``"json"`` (``{"action": "a"}``) or ``"search"`` (the action is itself a tag).
+    """
+
+    parse: Callable[[str], tuple[str, bool]]
+    expert: str = "tags"
+
+
+#: format name -> its :class:`ActionFormat`: ours (:data:`OUR_FORMATS`) here, the reference's
+#: (``reference_<env>``) and any env's own registered by the env's package (:func:`register_format`).
+ACTION_FORMATS: dict[str, ActionFormat] = {}
+
+
+def register_format(name: str, parse: Callable[[str], tuple[str, bool]], *, expert: str = "tags") -> None:
+    """Make ``parse`` available as ``env.action_format=<name>`` (``reference_<env>``: the reference's
+    rule of that env, which ``action_format=reference`` picks)."""
+    if expert not in ("tags", "json", "search"):
+        raise ValueError(f"register_format: expert must be tags, json or search, got {expert!r}")
+    ACTION_FORMATS[name] = ActionFormat(parse, expert)
+
+
+def reference_formats() -> tuple[str, ...]:
+    """The reference's parsing rules, one per environment that the reference has (every env package imported)."""
+    load_env_packages()
+    return tuple(f for f in ACTION_FORMATS if f.startswith("reference_"))
+
+
+def _action_format(fmt: str) -> ActionFormat:
+    if fmt not in ACTION_FORMATS:
+        load_env_packages()  # a format an env's package registers
+    if fmt not in ACTION_FORMATS:
+        raise ValueError(f"unknown action format {fmt!r}; use one of {list(OUR_FORMATS)}, 'reference' or "
+                         f"{list(reference_formats())}")
+    return ACTION_FORMATS[fmt]
 
 
 def resolve_format(fmt: str, env_name: str) -> str:
     """``"reference"`` -> ``"reference_<env_name>"``; any other format is returned as is (and checked)."""
     if fmt == "reference":
+        load_env_packages(env_name)
         fmt = f"reference_{env_name}"
-        if fmt not in REFERENCE_FORMATS:
+        if fmt not in ACTION_FORMATS:
             raise ValueError(f"action_format 'reference': the reference has no parsing rule for env {env_name!r}; "
-                             f"it has one for {sorted(f.removeprefix('reference_') for f in REFERENCE_FORMATS)}")
-    if fmt not in OUR_FORMATS + REFERENCE_FORMATS:
-        raise ValueError(f"unknown action format {fmt!r}; use one of {list(OUR_FORMATS)}, 'reference' or "
-                         f"{list(REFERENCE_FORMATS)}")
+                             f"it has one for {sorted(f.removeprefix('reference_') for f in reference_formats())}")
+    _action_format(fmt)
     return fmt
 
 
@@ -104,7 +140,7 @@ def _tag(literal: str) -> re.Pattern:
     return _TAG_CACHE[literal]
 
 
-def _block(text: str, name: str, start: int = 0) -> tuple[int, str] | None:
+def tag_block(text: str, name: str, start: int = 0) -> tuple[int, str] | None:
     """``(position, content)`` of the first ``<name>...</name>`` at or after ``start`` whose closing
     tag follows its opening tag (the leftmost match of ``<name>(.*?)</name>``), tags case-insensitive."""
     opening = _tag(f"<{name}>").search(text, start)
@@ -116,7 +152,7 @@ def _block(text: str, name: str, start: int = 0) -> tuple[int, str] | None:
     return opening.start(), text[opening.end():closing.start()]
 
 
-def _count(text: str, literal: str, limit: int = 2) -> int:
+def count_tag(text: str, literal: str, limit: int = 2) -> int:
     """How many times ``literal`` occurs (case-insensitive), counting up to ``limit``."""
     n, pos = 0, 0
     while n < limit:
@@ -128,24 +164,24 @@ def _count(text: str, literal: str, limit: int = 2) -> int:
 
 
 def _has_think(text: str) -> bool:
-    return _block(text, "think") is not None
+    return tag_block(text, "think") is not None
 
 
 # ---------------------------------------------------------------------------------------- our formats
 def _ours(response: str, fmt: str) -> tuple[str | None, bool]:
     valid = _has_think(response) and not _CJK.search(response)
     if fmt == "tags":
-        block = _block(response, "action")
+        block = tag_block(response, "action")
         return (block[1].strip().lower() if block else None), valid
     if fmt == "code":
-        block = _block(response, "code")
+        block = tag_block(response, "code")
         return (block[1] if block else None), valid
     if fmt == "search":
         first = _first_of(response)
         if first is None:
             return None, False
         (_, content), name = first
-        single = _count(response, "<search>") + _count(response, "<answer>") == 1
+        single = count_tag(response, "<search>") + count_tag(response, "<answer>") == 1
         return f"<{name}>{content.strip()}</{name}>", valid and single
     for candidate in _JSON.findall(response):  # json
         try:
@@ -157,17 +193,36 @@ def _ours(response: str, fmt: str) -> tuple[str | None, bool]:
     return None, False
 
 
+def response_tail(response: str) -> str:
+    """The command of a response without an action: its last characters, lower-cased (a no-op for the env)."""
+    return response.lower()[-_TAIL:]
+
+
+def _our_format(fmt: str) -> Callable[[str], tuple[str, bool]]:
+    def parse(response: str) -> tuple[str, bool]:
+        action, valid = _ours(response, fmt)
+        return (response_tail(response), False) if action is None else (action, valid)
+
+    return parse
+
+
+for _fmt, _expert in zip(OUR_FORMATS, ("tags", "json", "search", "tags")):
+    register_format(_fmt, _our_format(_fmt), expert=_expert)
+
+
 def _first_of(response: str) -> tuple[tuple[int, str], str] | None:
     """The leftmost complete ``<search>`` or ``<answer>`` block and its tag name."""
-    search, answer = _block(response, "search"), _block(response, "answer")
+    search, answer = tag_block(response, "search"), tag_block(response, "answer")
     if search is not None and (answer is None or search[0] < answer[0]):
         return search, "search"
     return (answer, "answer") if answer is not None else None
 
 
 # ---------------------------------------------------------------------------------------- reference formats
-def _reference_tags(response: str) -> tuple[str | None, bool]:
-    """verl-agent's ``alfworld_projection`` extraction: ``(action or None, think_ok)``."""
+def reference_action_tags(response: str) -> tuple[str | None, bool]:
+    """verl-agent's ``alfworld_projection`` extraction (also its Sokoban one's): ``(action or None,
+    think_ok)``: the lower-cased text between the first ``<action>`` and the first ``</action>``,
+    and whether the original text holds ``<think>`` and ``</think>``."""
     lower = response.lower()
     start, end = lower.find("<action>"), lower.find("</action>")
     think_ok = response.find("<think>") != -1 and response.find("</think>") != -1
@@ -176,42 +231,23 @@ def _reference_tags(response: str) -> tuple[str | None, bool]:
     return lower[start + len("<action>"):end].strip().lower(), think_ok
 
 
-def _reference(response: str, env: str) -> tuple[str, bool]:
-    if env == "alfworld":
-        action, think_ok = _reference_tags(response)
-        if action is None:
-            return response.lower()[-_TAIL:], False
-        return action, think_ok and not _CJK_REFERENCE.search(response)
-    if env == "sokoban":
-        action, think_ok = _reference_tags(response)
-        move = next((m for m in _SOKOBAN_MOVES if action is not None and m in action), None)
-        return (move or "still").capitalize(), think_ok and move is not None
-    if env == "search":
-        cut = response
-        for close in ("</search>", "</answer>"):  # the reference trims case-sensitively
-            at = cut.find(close)
-            if at != -1:
-                cut = cut[:at + len(close)]
-                break
-        block, name = _block(cut, "search"), "search"
-        if block is None:
-            block, name = _block(cut, "answer"), "answer"
-        action, valid = (f"<{name}>{block[1].strip()}</{name}>", True) if block else ("", False)
-        searches, answers = _count(response, "<search>"), _count(response, "<answer>")
-        if (searches and answers) or searches > 1 or answers > 1:
-            valid = False
-        return action, valid
-    tokens = _CARD_TOKENS[env]
-    text = response.lower()
-    text = text[text.find('"action":'):]  # no key: find() is -1 and only the last character is kept
-    found = set()
-    if env in ("ezpoints", "points24") and "10" in text:
-        found.add("10")
-        text = text.replace("10", "")
-    found.update(t for t in tokens if t in text)
-    if len(found) == 1:
-        return found.pop(), True
-    return "", False
+def gym_cards_rule(tokens: tuple[str, ...], *, ten_first: bool = False) -> Callable[[str], tuple[str, bool]]:
+    """verl-agent's ``gym_projection`` for a game of ``tokens`` (in its order): the lower-cased response
+    from its first ``"action":`` on must contain exactly one token (``ten_first``: ``10`` is taken
+    first and removed, as in the formula games); that token is the command, else ``""``, invalid."""
+    def parse(response: str) -> tuple[str, bool]:
+        text = response.lower()
+        text = text[text.find('"action":'):]  # no key: find() is -1 and only the last character is kept
+        found = set()
+        if ten_first and "10" in text:
+            found.add("10")
+            text = text.replace("10", "")
+        found.update(t for t in tokens if t in text)
+        if len(found) == 1:
+            return found.pop(), True
+        return "", False
+
+    return parse
 
 
 # ---------------------------------------------------------------------------------------- API
@@ -224,14 +260,7 @@ def project_action(response: str, fmt: str = "tags", *, max_chars: int | None = 
     response = clean_text(response)
     if max_chars is not None:
         response = response[:max_chars]
-    if fmt in REFERENCE_FORMATS:
-        return _reference(response, fmt.removeprefix("reference_"))
-    if fmt not in OUR_FORMATS:
-        raise ValueError(f"unknown action format {fmt!r}; use one of {list(OUR_FORMATS + REFERENCE_FORMATS)}")
-    action, valid = _ours(response, fmt)
-    if action is None:
-        return response.lower()[-_TAIL:], False
-    return action, valid
+    return _action_format(fmt).parse(response)
 
 
 def expert_response(action: str, fmt: str = "tags", think: str | None = None) -> str:
@@ -240,13 +269,16 @@ def expert_response(action: str, fmt: str = "tags", think: str | None = None) ->
     ``think`` is the text inside ``<think> </think>`` (``{action}`` is filled in; ``""`` gives the
     shortest valid response); ``None``: "The best next action is {action}." (search: a fixed
     sentence, since the action is itself a tag)."""
+    try:
+        style = _action_format(fmt).expert
+    except ValueError:  # an unknown format: the tags form
+        style = "tags"
     if think is None:
-        think = "The best next step is this one." if fmt in ("search", "reference_search") else \
-            "The best next action is {action}."
+        think = "The best next step is this one." if style == "search" else "The best next action is {action}."
     think = "<think>" + think.format(action=action) + "</think>"
-    if fmt == "json" or fmt.removeprefix("reference_") in _CARD_TOKENS:
+    if style == "json":
         return think + '{"action": "' + action + '"}'
-    if fmt in ("search", "reference_search"):  # the tag once only: a repeated tag is invalid
+    if style == "search":  # the tag once only: a repeated tag is invalid
         return think + action
     return think + f"<action>{action}</action>"
 
@@ -270,7 +302,7 @@ class ActionProjection(Transform):
     reuses its result (``num_parsed`` counts the parses).
 
     Args:
-        fmt: one of :data:`OUR_FORMATS` or :data:`REFERENCE_FORMATS` (``"reference"`` needs
+        fmt: a name of :data:`ACTION_FORMATS` (``"reference"`` needs
             ``env_name``).
         max_chars: the cut; ``None``: no cut.
         env_name: resolves ``fmt="reference"`` (see :func:`resolve_format`).

@@ -98,6 +98,15 @@ class SummaryMemory(MemoryTransform):
         self.summarizer = summarizer
         self.template = template
 
+    @classmethod
+    def from_config(cls, cfg, policy=None):
+        return cls(cfg.k, summarizer=policy, max_summary_tokens=cfg.max_summary_tokens,
+                   summarize_every=cfg.summarize_every)
+
+    @classmethod
+    def fills_history(cls, cfg):
+        return True
+
     # ---------------------------------------------------------------- pure functions
     @staticmethod
     def split(records: list[dict]) -> tuple[dict | None, list[dict]]:

@@ -45,6 +45,7 @@ Modules: ``catalogue`` (products, prices, goals, the search engine; the shipped 
 in ``data/``), ``scoring`` (the purchase score) and ``env`` (the game and the env).
 """
 
+from torchrl_agent.envs.webshop import prompts as _prompts  # noqa: F401 - registers its templates
 from torchrl_agent.envs.webshop.catalogue import SHIPPED_DATA_DIR, WebShopCatalogue, WebShopGoal, load_catalogue
 from torchrl_agent.envs.webshop.env import WebShopEnv, WebShopGame, parse_webshop_action
 from torchrl_agent.envs.webshop.scoring import type_score, webshop_score

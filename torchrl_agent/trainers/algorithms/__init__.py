@@ -15,7 +15,7 @@ from torchrl_agent.trainers.algorithms import (  # noqa: F401
     remax,
     rloo,
 )
-from torchrl_agent.trainers.algorithms.hooks import AlgorithmHooks
+from torchrl_agent.trainers.algorithms.hooks import AlgorithmHooks, AlgorithmParts
 from torchrl_agent.trainers.algorithms.registry import (
     ALGORITHM_REGISTRY,
     Algorithm,
@@ -23,4 +23,4 @@ from torchrl_agent.trainers.algorithms.registry import (
     register_algorithm,
 )
 
-__all__ = ["ALGORITHM_REGISTRY", "Algorithm", "AlgorithmHooks", "get_algorithm", "register_algorithm"]
+__all__ = ["ALGORITHM_REGISTRY", "Algorithm", "AlgorithmHooks", "AlgorithmParts", "get_algorithm", "register_algorithm"]

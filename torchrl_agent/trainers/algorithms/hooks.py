@@ -14,6 +14,9 @@ Every estimator, loss and option, with its reference counterpart: ``docs/algorit
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from tensordict import TensorDict, TensorDictBase
 
@@ -25,9 +28,28 @@ from torchrl_agent.objectives import (
     kl_in_reward,
 )
 from torchrl_agent.trainers.algorithms.registry import get_algorithm
-from torchrl_agent.trainers.batching import fit_width, pad_ragged, response_mask
+from torchrl_agent.trainers.batching import fit_width, response_mask
 
-__all__ = ["AlgorithmHooks", "build_kl_controller"]
+__all__ = ["AlgorithmHooks", "AlgorithmParts", "build_kl_controller"]
+
+
+@dataclass(frozen=True)
+class AlgorithmParts:
+    """What an algorithm's parts (its critic, its baseline episodes) are given of the run: no more.
+
+    Attributes:
+        tokenizer: the policy's tokenizer.
+        device: the trainer's device.
+        loss: the policy loss (PPO's critic trains with its value term).
+        policy: the rollout engine.
+        collector: the training collector.
+    """
+
+    tokenizer: Any
+    device: torch.device
+    loss: Any
+    policy: Any
+    collector: Any
 
 
 def build_kl_controller(a) -> FixedKLController:
@@ -42,19 +64,19 @@ class AlgorithmHooks:
 
     Args:
         cfg: the run's :class:`~torchrl_agent.trainers.config.TrainConfig`.
-        trainer: the trainer (its model, tokenizer, reference, policy and ``recompute``).
+        parts: the :class:`AlgorithmParts` the algorithm's critic and baseline are built from.
     """
 
-    def __init__(self, cfg, trainer) -> None:
+    def __init__(self, cfg, parts: AlgorithmParts) -> None:
         a = cfg.algorithm
-        self.cfg, self.trainer = cfg, trainer
+        self.cfg = cfg
         self.algorithm = get_algorithm(a.name)
         self.sampler = (DynamicSamplingAccumulator(cfg.env.num_groups, max_tries=a.max_sampling_tries, trim=False)
                         if a.dynamic_sampling else None)
         self.kl_ctrl = build_kl_controller(a) if a.kl_in_reward else None
         # the algorithm's optional parts (PPO's critic, ReMax's greedy baseline episodes)
-        self.critic = self.algorithm.critic(cfg, trainer) if self.algorithm.critic is not None else None
-        self.baseline = self.algorithm.baseline(cfg, trainer) if self.algorithm.baseline is not None else None
+        self.critic = self.algorithm.critic(cfg, parts) if self.algorithm.critic is not None else None
+        self.baseline = self.algorithm.baseline(cfg, parts) if self.algorithm.baseline is not None else None
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
@@ -86,14 +108,16 @@ class AlgorithmHooks:
         return rows, {"sampling_tries": self.sampler.last_tries, "sampling_groups": groups}
 
     # ------------------------------------------------------------------ advantage
-    def prepare(self, rows: TensorDictBase, advantage) -> tuple[TensorDictBase, dict[str, float]]:
+    def prepare(self, rows: TensorDictBase, advantage, iteration: int, keys) -> tuple[TensorDictBase, dict[str, float]]:
         """KL in the reward, values (PPO), the advantage (``advantage`` module, or GAE for PPO) and
-        the critic update; writes ``rows["advantage"]`` and returns metrics."""
+        the critic update; writes ``rows["advantage"]`` and returns metrics. With ``kl_in_reward`` the
+        rows hold their old and reference log-probs (``keys``: the loss's ``tensor_keys``, written by
+        :meth:`Trainer.score <torchrl_agent.trainers.Trainer.score>`); ``iteration`` seeds the critic's mini-batches."""
         a = self.cfg.algorithm
         metrics: dict[str, float] = {}
         token_reward = None
         if self.kl_ctrl is not None:
-            old, ref = self._old_and_ref(rows)
+            old, ref = rows.get(keys.old_log_prob), rows.get(keys.ref_log_prob)
             mask = response_mask(rows, old.shape[-1])
             token_reward, row_penalty, kl_metrics = kl_in_reward(old, ref, mask, self.kl_ctrl, a.kl_reward_type)
             metrics.update(kl_metrics)
@@ -111,20 +135,7 @@ class AlgorithmHooks:
         self.critic.loss.compute_advantage(gae)  # PPOLoss: GAE, whitened; the returns are the value targets
         rows.set("advantage", gae["advantage"])
         returns = gae["value_target"]
-        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + 17 + self.trainer.iteration)
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + 17 + iteration)
         metrics.update(self.critic.update(rows, values, returns, epochs=a.epochs, minibatch_size=a.minibatch_size,
                                           generator=generator))
         return rows, metrics
-
-    def _old_and_ref(self, rows: TensorDictBase) -> tuple[torch.Tensor, torch.Tensor]:
-        """Padded ``[N, T]`` log-probs of the sampled responses under the current and the reference
-        policy (the frozen copy, or the base model with the LoRA adapters disabled)."""
-        t = self.trainer
-        old = t.recompute(t.model, rows)
-        if t.reference is not None:
-            ref = t.recompute(t.reference, rows)
-        else:  # LoRA: the reference is the base model
-            with t.model.disable_adapter():
-                ref = t.recompute(t.model, rows)
-        width = max(1, max((len(x) for x in old), default=1))
-        return pad_ragged(old, width, "cpu"), pad_ragged(ref, width, "cpu")

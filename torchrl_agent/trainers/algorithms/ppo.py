@@ -22,12 +22,13 @@ def ppo_loss(cfg) -> PPOLoss:
     return PPOLoss(critic_coef=None, value_clip=a.value_clip, gamma=a.gamma, lmbda=a.lmbda, **clip_loss_kwargs(cfg))
 
 
-def build_critic(cfg, trainer) -> Critic:
+def build_critic(cfg, parts) -> Critic:
     """The value model, initialised from the policy's weights (``model.path``), in float32 (as the
-    policy's master weights; the critic is small next to the policy), on the trainer's device."""
+    policy's master weights; the critic is small next to the policy), on the trainer's device (``parts``:
+    :class:`~torchrl_agent.trainers.algorithms.hooks.AlgorithmParts`)."""
     a = cfg.algorithm
-    value_model = ValueModel.from_pretrained(model_path(cfg.model), trainer.tokenizer.pad_token_id)
-    return Critic(value_model.to(trainer.device), trainer.loss, lr=a.critic_lr, weight_decay=a.weight_decay,
+    value_model = ValueModel.from_pretrained(model_path(cfg.model), parts.tokenizer.pad_token_id)
+    return Critic(value_model.to(parts.device), parts.loss, lr=a.critic_lr, weight_decay=a.weight_decay,
                   grad_clip=a.grad_clip)
 
 

@@ -33,9 +33,9 @@ class Algorithm:
         loss: ``cfg -> loss module``, the policy loss; ``None``: :class:`~torchrl_agent.objectives.ClipPolicyLoss`
             with the ``algorithm`` section's settings (:func:`clip_loss_kwargs`), which covers
             PPO/GRPO/DAPO/GSPO clipping, the KL and entropy terms and the aggregations.
-        critic: ``(cfg, trainer) -> Critic`` (:class:`~torchrl_agent.trainers.critic.Critic`), a
+        critic: ``(cfg, parts) -> Critic`` (:class:`~torchrl_agent.trainers.critic.Critic`), a
             value model trained beside the policy (PPO); ``None``: no critic.
-        baseline: ``(cfg, trainer) -> baseline``, extra episodes collected with every batch whose
+        baseline: ``(cfg, parts) -> baseline``, extra episodes collected with every batch whose
             returns the advantage uses (ReMax's greedy episode per group); the object has
             ``wrap(collector) -> collect``, ``state_dict()`` and ``load_state_dict(state)``.
             ``None``: no baseline episodes.

@@ -31,23 +31,23 @@ class GreedyBaseline:
     episodes of its own groups, as it collects their training episodes, and the baseline rows are
     gathered like the training rows."""
 
-    def __init__(self, cfg, trainer) -> None:
+    def __init__(self, cfg, parts) -> None:
         # imported here: the algorithm registry (read by `torchrl-agent config`) stays free of TorchRL's
         # collectors, which import vLLM where it is installed (seconds per process)
         from torchrl_agent.collectors import DistributedStepCollector, StepCollector
 
-        greedy = copy.copy(trainer.policy)
+        greedy = copy.copy(parts.policy)
         greedy.temperature = 0.0
         env = dataclasses.replace(cfg.env, group_size=1)
-        train = trainer.collector
+        train = parts.collector
         if isinstance(train, DistributedStepCollector):
             mine, _ = train.groups_of(cfg.env.num_groups, train.tp_size)  # this rank's groups, as for training
             self.env = build_env(dataclasses.replace(cfg, env=dataclasses.replace(env, num_groups=mine)),
-                                 trainer.tokenizer, policy=greedy)
+                                 parts.tokenizer, policy=greedy)
             self.collector = DistributedStepCollector(self.env, greedy, num_groups=cfg.env.num_groups, seed=cfg.seed,
                                                       lockstep=cfg.rollout.lockstep, tp_size=train.tp_size)
         else:
-            self.env = build_env(dataclasses.replace(cfg, env=env), trainer.tokenizer, policy=greedy)
+            self.env = build_env(dataclasses.replace(cfg, env=env), parts.tokenizer, policy=greedy)
             self.collector = StepCollector(self.env, greedy, seed=cfg.seed, lockstep=cfg.rollout.lockstep)
 
     def wrap(self, collector):

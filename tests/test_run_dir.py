@@ -1,4 +1,5 @@
-"""A training run that survives a bad week: checkpoints that are hostile, damaged or of another
+"""The run directory and its checkpoints (``trainers/run_dir.py``, ``trainers/checkpointing.py``): a
+training run that survives a bad week: checkpoints that are hostile, damaged or of another
 model, ``resume=auto`` on copied or damaged run directories, runs started together or on one
 folder, full disks, signals, killed trainers and their orphans. Every fault is caused for real."""
 
