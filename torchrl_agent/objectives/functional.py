@@ -173,7 +173,7 @@ def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None, 
         if zero_at_mean:  # |x - mean| within the rounding of the mean (a sum of `count` values) is exactly 0
             tol = torch.maximum(tol, 4 * count * torch.finfo(x.dtype).eps * mag_g)
             zero_row = zero_row | ((dev.abs() <= tol.index_select(0, inv)) & ~single.index_select(0, inv))
-        dev = torch.where(zero_row, 0.0, dev)
+        dev = dev * ~zero_row
     if norm == "mean_std":
         sq = zeros.scatter_add(0, inv, dev * dev)
         std = torch.where(single, 1.0, (sq / (count - int(unbiased)).clamp_min(1)).sqrt())
@@ -589,14 +589,17 @@ def graphgpo_advantage(
             j = torch.searchsorted(pairs, key).clamp_max(kp - 1)
             found &= pairs.index_select(0, j) == key
         v[look] = torch.where(found, j, kp + kg + g)
+    node_group = torch.cat([torch.zeros(kp, dtype=torch.long, device=r.device).scatter_(0, u, ginv),
+                            torch.arange(kg, device=r.device).repeat(2)])
     dist = _graph_distances(u, v, kp + 2 * kg, kp + torch.arange(kg, device=r.device))
-    d_u, d_v = dist.index_select(0, u), dist.index_select(0, v)
     # a node that cannot reach the sink: dmax + 1, dmax the group's largest finite distance (0: no success)
-    far = torch.zeros(kg, dtype=torch.long, device=r.device).scatter_reduce_(0, ginv, d_u, "amax").index_select(
-        0, ginv) + 1
-    d_u, d_v = torch.where(d_u >= 0, d_u, far).to(r.dtype), torch.where(d_v >= 0, d_v, far).to(r.dtype)
-    exponent = d_v - d_u + 1 if normalize_distance else d_v
-    step_return = 10.0 * torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** exponent
+    far = torch.zeros(kg, dtype=torch.long, device=r.device).scatter_reduce_(0, node_group, dist, "amax") + 1
+    dist = torch.where(dist >= 0, dist, far.index_select(0, node_group)).to(r.dtype)
+    gamma_t = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
+    if normalize_distance:
+        step_return = 10.0 * gamma_t ** (dist.index_select(0, v) - dist.index_select(0, u) + 1)
+    else:
+        step_return = (10.0 * gamma_t ** dist).index_select(0, v)
     penalty = invalid_penalty * (~valid).to(r.dtype)
     # step groups: exact (group, anchor) pairs, as GiGPO (the graph's own ids when its states are the anchors)
     ainv, ka = (u, kp) if node is None else _pair_ids(ginv, kg, anchor)
