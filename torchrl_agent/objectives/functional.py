@@ -20,6 +20,7 @@ Statistics are accumulated in float64 whatever the input dtype; the output has t
 
 from __future__ import annotations
 
+import warnings
 from difflib import SequenceMatcher
 from typing import Literal
 
@@ -103,7 +104,7 @@ def _dense_1d(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     if n == 0:
         return x.long(), 0
     lo, hi = int(x.min()), int(x.max())
-    if hi - lo + 1 <= 2 * n + 1024:
+    if hi - lo + 1 <= 6 * n + 1024:
         shifted = x - lo
         remap = torch.cumsum(torch.bincount(shifted, minlength=hi - lo + 1) > 0, 0) - 1
         return remap.index_select(0, shifted), int(remap[-1]) + 1
@@ -130,6 +131,14 @@ def _pair_ids(ginv: torch.Tensor, kg: int, anchor: torch.Tensor) -> tuple[torch.
     return _dense_1d(ginv * ka + ainv)
 
 
+def _group_amax(zeros: torch.Tensor, inv: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``max(0, max of values [N] in each set)`` [K] (``zeros`` [K]). ``index_reduce`` is about twice
+    ``scatter_reduce``'s speed on CPU here; it warns once that it is a beta API (silenced)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"index_reduce\(\) is in beta")
+        return zeros.index_reduce(0, inv, values, "amax")
+
+
 def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None, unbiased=True, zero_at_mean=False,
                mag=None):
     """:func:`group_normalize` on dense ids ``inv`` [N] in ``0..k-1``; ``x`` in the accumulation dtype.
@@ -143,23 +152,37 @@ def _normalize(x, inv, k, *, norm, eps, singleton_zero=False, value_dtype=None, 
     zeros = torch.zeros(k, dtype=x.dtype, device=x.device)
     count = torch.bincount(inv, minlength=k).to(x.dtype)
     single = count == 1
-    mean = torch.where(single, 0.0, zeros.scatter_add(0, inv, x) / count)
-    # all-equal sets (of >= 2 rows) give exactly 0, whatever the rounding of the mean: a set is
-    # all-equal when max - min is within a few ulps (of the values' dtype) of its magnitude
-    gmax = torch.full((k,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amax")
-    gmin = torch.full((k,), torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amin")
-    mag_g = torch.maximum(gmax.abs(), gmin.abs())
-    if mag is not None:
-        mag_g = torch.maximum(mag_g, torch.zeros_like(mag_g).scatter_reduce_(0, inv, mag, "amax"))
-    tol = scale_ulp * mag_g
-    all_equal = (gmax - gmin) <= tol
-    zero_set = (all_equal & ~single) | (single & singleton_zero)
+    mean = zeros.scatter_add(0, inv, x) / count  # a set of one row: its value, so that its row is 0
+    if not singleton_zero:
+        mean = torch.where(single, 0.0, mean)
     dev = x - mean.index_select(0, inv)
-    zero_row = zero_set.index_select(0, inv)
-    if zero_at_mean:  # |x - mean| within the rounding of the mean (a sum of `count` values) is exactly 0
-        tol = torch.maximum(tol, 4 * count * torch.finfo(x.dtype).eps * mag_g)
-        zero_row = zero_row | ((dev.abs() <= tol.index_select(0, inv)) & ~single.index_select(0, inv))
-    dev = torch.where(zero_row, 0.0, dev)
+    if zero_at_mean and int(count.max()) <= 65536:
+        # a row is 0 when |x - mean| is within the rounding of the mean (a sum of `count` values):
+        # 4 * count ulps of the set's magnitude, at least the all-equal tolerance below. An all-equal
+        # set then needs no test of its own: its rows are within (1 - 1/n) * 4 ulp(value_dtype) of the
+        # exact mean, and the computed mean is off by at most n / 2 ulp(float64) of the magnitude,
+        # inside the tolerance for sets of up to 2 ** 16 rows (float32 values; any size in float64)
+        absmax = _group_amax(zeros, inv, x.abs() if mag is None else torch.maximum(x.abs(), mag))
+        tol = torch.maximum(scale_ulp * absmax, 4 * count * torch.finfo(x.dtype).eps * absmax)
+        if not singleton_zero:  # a set of one row keeps its value
+            tol = torch.where(single, -1.0, tol)
+        dev = dev * (dev.abs() > tol.index_select(0, inv))  # (bool mask products: `where` is slower on CPU)
+    else:
+        # all-equal sets (of >= 2 rows) give exactly 0, whatever the rounding of the mean: a set is
+        # all-equal when max - min is within a few ulps (of the values' dtype) of its magnitude
+        gmax = torch.full((k,), -torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amax")
+        gmin = torch.full((k,), torch.inf, dtype=x.dtype, device=x.device).scatter_reduce_(0, inv, x, "amin")
+        mag_g = torch.maximum(gmax.abs(), gmin.abs())
+        if mag is not None:
+            mag_g = torch.maximum(mag_g, torch.zeros_like(mag_g).scatter_reduce_(0, inv, mag, "amax"))
+        tol = scale_ulp * mag_g
+        all_equal = (gmax - gmin) <= tol
+        zero_set = (all_equal & ~single) | (single & singleton_zero)
+        zero_row = zero_set.index_select(0, inv)
+        if zero_at_mean:  # |x - mean| within the rounding of the mean (a sum of `count` values) is exactly 0
+            tol = torch.maximum(tol, 4 * count * torch.finfo(x.dtype).eps * mag_g)
+            zero_row = zero_row | ((dev.abs() <= tol.index_select(0, inv)) & ~single.index_select(0, inv))
+        dev = dev * ~zero_row
     if norm == "mean_std":
         sq = zeros.scatter_add(0, inv, dev * dev)
         std = torch.where(single, 1.0, (sq / (count - int(unbiased)).clamp_min(1)).sqrt())
@@ -193,21 +216,28 @@ def _positions(tinv: torch.Tensor, kt: int, step: torch.Tensor) -> tuple[torch.T
     return pos, t_max
 
 
+def _discount_matrix(t_max: int, gamma: float, r: torch.Tensor) -> torch.Tensor:
+    """``G`` [T, T] with ``G[k, t] = gamma ** (k - t)`` for ``k >= t``, else 0 (``r``'s dtype and device)."""
+    idx = torch.arange(t_max, device=r.device)
+    lag = idx[:, None] - idx[None, :]  # lag[k, t] = k - t
+    return torch.where(lag >= 0, torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** lag.clamp_min(0), 0.0)
+
+
 def _discounted(r, tinv, kt, step, gamma, with_magnitude=False, positions=None):
     """Discounted returns [N]; ``with_magnitude``: also ``sum_k |r_k| gamma**(k - t)`` (the scale of
     their rounding), as a tuple. ``positions``: :func:`_positions`' result, if already computed."""
     pos, t_max = positions if positions is not None else _positions(tinv, kt, step)
     flat = tinv * t_max + pos  # row -> cell of the padded [num_traj, T] matrix
     padded = torch.zeros(kt * t_max, dtype=r.dtype, device=r.device).index_copy_(0, flat, r).view(kt, t_max)
-    if with_magnitude:
+    # the magnitude of non-negative rewards' returns is the returns themselves
+    signed = with_magnitude and not bool((r >= 0).all())
+    if signed:
         padded = torch.cat([padded, padded.abs()])
-    idx = torch.arange(t_max, device=r.device)
-    lag = idx[:, None] - idx[None, :]  # lag[k, t] = k - t
-    g = torch.where(lag >= 0, torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** lag.clamp_min(0), 0.0)
-    out = (padded @ g).view(-1)  # R[:, t] = sum_{k >= t} r[:, k] * gamma**(k - t)
-    if with_magnitude:
-        return out.index_select(0, flat), out.index_select(0, flat + kt * t_max)
-    return out.index_select(0, flat)
+    out = (padded @ _discount_matrix(t_max, gamma, r)).view(-1)  # R[:, t] = sum_{k >= t} r[:, k] * gamma**(k - t)
+    returns = out.index_select(0, flat)
+    if not with_magnitude:
+        return returns
+    return returns, out.index_select(0, flat + kt * t_max) if signed else returns
 
 
 # --------------------------------------------------------------------------- building blocks
@@ -423,10 +453,10 @@ def hgpo_advantage(
     step_return, mag = _discounted(r, tinv, kt, step, gamma, with_magnitude=True, positions=(pos, t_max))
     penalty = invalid_penalty * (~valid).to(r.dtype)
     step_return, mag = step_return - penalty, mag + penalty
+    # the context of a row at rank s: (group, anchor_s) (dense id `key`), then the codes of anchor_{s-1},
+    # ..., anchor_{s-K}; code `width` = "no such step". An anchor's code is its rank among its group's
+    # anchors when every anchor value lives in one group (a small code range), else its dense id.
     ainv, ka = _dense_1d(anchor)
-    # context keys: (group, anchor_s) first, then (key, anchor_{s-k+1}) level by level; the anchor enters
-    # by its rank among its group's anchors when every anchor value lives in one group (a small key
-    # range: dense ids by bincount, no sort)
     lo = torch.full((ka,), kg, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amin")
     hi = torch.full((ka,), -1, dtype=torch.long, device=r.device).scatter_reduce_(0, ainv, ginv, "amax")
     if bool((lo == hi).all()):
@@ -440,62 +470,48 @@ def hgpo_advantage(
     else:
         key, kk = _dense_1d(ginv * ka + ainv)
         code, width = ainv, ka
-    padded = _traj_matrix(code, tinv, kt, pos, t_max)
-    num = torch.zeros_like(r)
-    den = torch.zeros_like(r)
+    levels = int(history_length) + 1
+    # the anchor codes in a padded [num_traj, K + T] matrix whose first K columns are "no such step"
+    # (code `width`): the code of anchor_{s-j} of a row at rank s sits j cells before the row's own
+    t_pad = t_max + levels - 1
+    cell = tinv * t_pad + pos + (levels - 1)
+    padded = torch.full((kt * t_pad,), width, dtype=torch.long, device=r.device).index_copy_(0, cell, code)
+    # the level-k context of every row, levels stacked: ids of level k offset by the number of the levels before
+    keys, offset = [key], kk
+    for k in range(2, levels + 1):  # level k: the level-(k-1) context and the code of anchor_{s-k+1}
+        key, kk = _dense_1d(key * (width + 1) + padded.index_select(0, cell - (k - 1)))
+        keys.append(key + offset)
+        offset += kk
+    a = _normalize(step_return.repeat(levels), torch.cat(keys), offset, norm=norm, eps=eps, singleton_zero=True,
+                   value_dtype=vd, unbiased=False, zero_at_mean=True, mag=mag.repeat(levels)).view(levels, n)
+    a = a * (pos >= torch.arange(levels, device=r.device)[:, None])  # a row at rank s < k - 1: no level-k context
+    w = torch.arange(2, levels + 2, dtype=r.dtype, device=r.device) ** alpha  # (k + 1) ** alpha
+    num, den = w @ a, w @ (a != 0).to(r.dtype)
     if base_group:
         a0 = _normalize(s, ginv, kg, norm=norm, eps=eps, value_dtype=vd, zero_at_mean=True)
-        num += a0
-        den += (a0 != 0).to(r.dtype)  # weight (0 + 1) ** alpha = 1
-    rows = torch.arange(n, device=r.device)  # key: the context (group, anchor_s, ..., anchor_{s-k+1}) of `rows`
-    for k in range(1, int(history_length) + 2):
-        if k > 1:
-            keep = pos.index_select(0, rows) >= k - 1
-            rows, key = rows[keep], key[keep]
-            if rows.numel() == 0:
-                break
-            prev = padded.index_select(0, tinv.index_select(0, rows) * t_max + pos.index_select(0, rows) - (k - 1))
-            key, kk = _dense_1d(key * width + prev)
-        a_k = _normalize(step_return.index_select(0, rows), key, kk, norm=norm, eps=eps, singleton_zero=True,
-                         value_dtype=vd, unbiased=False, zero_at_mean=True, mag=mag.index_select(0, rows))
-        w = float(k + 1) ** alpha
-        num.index_add_(0, rows, w * a_k)
-        den.index_add_(0, rows, w * (a_k != 0).to(r.dtype))
+        num, den = a0 + num, (a0 != 0).to(r.dtype) + den  # weight (0 + 1) ** alpha = 1
     return (num / (den + eps)).to(reward.dtype)
 
 
-def _graph_distances(u: torch.Tensor, v: torch.Tensor, node_group: torch.Tensor, sinks: torch.Tensor,
-                     kg: int) -> torch.Tensor:
-    """Hop distance [M] of every node to its group's sink over the edges ``u -> v`` [E].
+def _graph_distances(u: torch.Tensor, v: torch.Tensor, m: int, sinks: torch.Tensor) -> torch.Tensor:
+    """Hop distance [M] of every node to a sink over the edges ``u -> v`` [E]; -1 where none is reachable.
 
-    A BFS from the sinks over the reversed edges, one frontier per iteration (all groups at once:
-    their nodes are disjoint). A node that cannot reach the sink gets ``dmax + 1``, ``dmax`` the
-    largest finite distance of its group's nodes (``0`` when the group has no success: every node 1).
+    A BFS from the sinks over the reversed edges, one level per iteration, every group at once (their
+    nodes are disjoint): the tails of the edges into the last level that have no distance yet get the
+    next one; edges whose tail is settled are dropped. At most the longest shortest path of iterations.
     """
-    m = node_group.numel()
-    uv = torch.unique(u * m + v)  # parallel edges change no hop count
-    u, v = uv // m, uv % m
-    order = torch.argsort(v, stable=True)  # edges grouped by their head: in-edges of a node are contiguous
-    u, v = u[order], v[order]
-    starts = torch.searchsorted(v, torch.arange(m + 1, device=v.device))
     dist = torch.full((m,), -1, dtype=torch.long, device=u.device)
-    frontier = sinks
-    dist[frontier] = 0
+    dist[sinks] = 0
     d = 0
-    while frontier.numel():
-        lo, hi = starts.index_select(0, frontier), starts.index_select(0, frontier + 1)
-        cnt = hi - lo
-        if int(cnt.sum()) == 0:
+    while u.numel():
+        tails = u[dist.index_select(0, v) == d]
+        if tails.numel() == 0:
             break
-        # the in-edges of the frontier: index lo + 0 .. cnt - 1 of each frontier node
-        base = torch.repeat_interleave(lo - (torch.cumsum(cnt, 0) - cnt), cnt)
-        tails = u.index_select(0, base + torch.arange(base.numel(), device=u.device))
-        tails = torch.unique(tails[dist.index_select(0, tails) < 0])
         d += 1
         dist[tails] = d
-        frontier = tails
-    dmax = torch.zeros(kg, dtype=torch.long, device=u.device).scatter_reduce_(0, node_group, dist.clamp_min(0), "amax")
-    return torch.where(dist >= 0, dist, dmax.index_select(0, node_group) + 1)
+        keep = dist.index_select(0, u) < 0
+        u, v = u[keep], v[keep]
+    return dist
 
 
 def graphgpo_advantage(
@@ -551,32 +567,48 @@ def graphgpo_advantage(
     won = (torch.zeros(kt, dtype=r.dtype, device=r.device).scatter_add_(0, tinv, r) > 0).index_select(0, tinv)
     src, dst = (anchor, next_anchor) if node is None else (_check_ids("node", node[0], n),
                                                            _check_ids("node", node[1], n))
-    if dst is None:  # the next row's state; a last row's is replaced below
-        following = torch.where(last, pos, pos + 1)
-        dst = src.index_select(0, _traj_matrix(torch.arange(n, device=r.device), tinv, kt, pos, t_max)
-                               .index_select(0, tinv * t_max + following))
+    # graph nodes: the (group, state) pairs of the rows' own states (`u`, 0..kp-1), then a success sink
+    # per group (kp + g), then a dead end per group (kp + kg + g: a next state that is no row's state in
+    # the group has no out-edge, so all of a group's such states are at the same distance)
+    values, sinv = torch.unique(src, return_inverse=True)
+    ks = values.numel()
+    lo = torch.full((ks,), kg, dtype=torch.long, device=r.device).scatter_reduce_(0, sinv, ginv, "amin")
+    one_group = bool((lo == torch.full_like(lo, -1).scatter_reduce_(0, sinv, ginv, "amax")).all())
+    if one_group:  # every state lives in one group: the state is the node
+        u, kp = sinv, ks
+    else:
+        pairs, u = torch.unique(ginv * ks + sinv, return_inverse=True)
+        kp = pairs.numel()
+    # the next row of the trajectory (a last row: itself)
+    following = _traj_matrix(torch.arange(n, device=r.device), tinv, kt, pos, t_max).index_select(
+        0, tinv * t_max + torch.where(last, pos, pos + 1))
     sink = last & won
-    dead = last & ~won if next_anchor is None and node is None else torch.zeros_like(last)
-    real = ~(sink | dead)
-    # node ids: the states of each group (dense over (group, state)), then a sink per group, then a dead
-    # end per trajectory
-    states, _ = _dense_1d(torch.cat([src, dst[real]]))
-    pair, kp = _pair_ids(torch.cat([ginv, ginv[real]]), kg, states)
-    u = pair[:n]
-    v = torch.empty_like(u)
-    v[real] = pair[n:]
-    v[sink] = kp + ginv[sink]
-    v[dead] = kp + kg + tinv[dead]
-    m = kp + kg + kt
-    node_group = torch.empty(m, dtype=torch.long, device=r.device)
-    node_group[u] = ginv
-    node_group[pair[n:]] = ginv[real]
-    node_group[kp:kp + kg] = torch.arange(kg, device=r.device)
-    node_group[kp + kg:] = torch.zeros(kt, dtype=torch.long, device=r.device).scatter_(0, tinv, ginv)
-    dist = _graph_distances(u, v, node_group, kp + torch.arange(kg, device=r.device), kg).to(r.dtype)
-    d_next = dist.index_select(0, v)
-    exponent = d_next - dist.index_select(0, u) + 1 if normalize_distance else d_next
-    step_return = 10.0 * torch.as_tensor(gamma, dtype=r.dtype, device=r.device) ** exponent
+    v = torch.where(sink, kp + ginv, u.index_select(0, following))
+    if dst is None:  # the next row's state; a failed trajectory's last row: a dead end
+        v = torch.where(last & ~won, kp + kg + ginv, v)
+    else:  # the recorded next state: the next row's node when it is the next row's state, else looked up
+        look = (~sink & (last | (dst != src.index_select(0, following)))).nonzero().squeeze(1)
+        q, g = dst.index_select(0, look), ginv.index_select(0, look)
+        j = torch.searchsorted(values, q).clamp_max(ks - 1)
+        found = values.index_select(0, j) == q
+        if one_group:
+            found &= lo.index_select(0, j) == g
+        else:  # the node of the (group, state) pair
+            key = g * ks + j
+            j = torch.searchsorted(pairs, key).clamp_max(kp - 1)
+            found &= pairs.index_select(0, j) == key
+        v[look] = torch.where(found, j, kp + kg + g)
+    node_group = torch.cat([torch.zeros(kp, dtype=torch.long, device=r.device).scatter_(0, u, ginv),
+                            torch.arange(kg, device=r.device).repeat(2)])
+    dist = _graph_distances(u, v, kp + 2 * kg, kp + torch.arange(kg, device=r.device))
+    # a node that cannot reach the sink: dmax + 1, dmax the group's largest finite distance (0: no success)
+    far = torch.zeros(kg, dtype=torch.long, device=r.device).scatter_reduce_(0, node_group, dist, "amax") + 1
+    dist = torch.where(dist >= 0, dist, far.index_select(0, node_group)).to(r.dtype)
+    gamma_t = torch.as_tensor(gamma, dtype=r.dtype, device=r.device)
+    if normalize_distance:
+        step_return = 10.0 * gamma_t ** (dist.index_select(0, v) - dist.index_select(0, u) + 1)
+    else:
+        step_return = (10.0 * gamma_t ** dist).index_select(0, v)
     penalty = invalid_penalty * (~valid).to(r.dtype)
     # step groups: exact (group, anchor) pairs, as GiGPO (the graph's own ids when its states are the anchors)
     ainv, ka = (u, kp) if node is None else _pair_ids(ginv, kg, anchor)
