@@ -71,8 +71,12 @@ def fit_width(x: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def response_mask(rows: TensorDictBase, width: int | None = None) -> torch.Tensor:
-    """``[N, T]`` bool, True on each row's response tokens (``response_tokens`` long, left-aligned)."""
-    lengths = rows["response_tokens"].reshape(-1).long()
+    """``[N, T]`` bool, True on each row's response tokens, left-aligned: ``response_tokens`` [N, 1] long
+    (the collector's), else the lengths of the rows' ``("tokens", "response")`` (rows built by hand)."""
+    if "response_tokens" in rows.keys():
+        lengths = rows["response_tokens"].reshape(-1).long()
+    else:
+        lengths = torch.tensor(row_lengths(rows)[1], dtype=torch.long)
     width = width or max(1, int(lengths.max()) if lengths.numel() else 1)
     return torch.arange(width)[None, :] < lengths[:, None]
 
