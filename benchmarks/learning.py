@@ -30,6 +30,11 @@ bootstrap interval and a sign-flip permutation p-value (``within_noise`` when th
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
                                   [--markdown docs/learning_results.md]
 
+Task ``pretrained`` (issue 36) is the exception to the above: SmolLM2-135M-Instruct, no warm start
+(point 0 is its zero-shot behaviour, so ``after_warm_start`` holds the zero-shot start), the
+reference's prompt and parsing, GiGPO with the KL term to the start (run it with
+``--tasks pretrained --methods gigpo``; its config says why each setting).
+
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
 JSON in ``--out`` is reused, so an interrupted benchmark resumes; ``--report`` runs nothing and
 summarises the finished runs of the asked tasks, methods and seeds (the missing ones named on
@@ -62,7 +67,7 @@ from torchrl_agent.trainers.cli import compose_config  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
-TASKS = ("numberline", "babyai", "ezpoints", "sokoban")
+TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps")
@@ -257,8 +262,9 @@ def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
     if args.iterations is not None:
         out.append(f"iterations={args.iterations}")
     if args.quick:
-        out += ["iterations=1", "eval_every=1", "env.eval_episodes=8", "env.num_groups=2", "env.group_size=4",
-                "warm_start.steps=4"]
+        out += ["iterations=1", "eval_every=1", "env.eval_episodes=8", "env.num_groups=2", "env.group_size=4"]
+        if compose_config([f"experiment=learning_{task}"]).warm_start.steps > 0:  # pretrained: none to shorten
+            out.append("warm_start.steps=4")
     return out + list(args.set or [])
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import re
 import sys
@@ -138,9 +140,12 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
 
 
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
+    """The warm-started tasks are hard for a random walk; the pretrained task is not (its start is a
+    zero-shot model that rarely answers in the reference's format at all: what RL must lift first),
+    but a random valid policy still loses most of its games."""
     learning = _learning_module()
     for task in learning.TASKS:
-        assert learning.random_valid_success(task, episodes=32) <= 0.2, task
+        assert learning.random_valid_success(task, episodes=32) <= (0.5 if task == "pretrained" else 0.2), task
 
 
 def test_summary_reports_success_after_warm_start(tmp_path):
@@ -363,3 +368,30 @@ def test_update_diagnosis_records_every_step_and_finds_the_moved_tokens(tmp_path
     assert abs(first["approx_kl_before"]) < 1e-5  # the first step starts at the sampling policy
     assert set(diag.token_kinds(trainer.tokenizer, torch.tensor([trainer.tokenizer.eos_token_id]))) == {"eos"}
     trainer.close()
+
+
+def test_pretrained_task_starts_from_the_zero_shot_model(tmp_path):
+    """``--tasks pretrained`` (issue 36), shortened: SmolLM2-135M-Instruct with no warm start, the
+    reference's NumberLine prompt and parsing, GiGPO with the KL term to the start, one iteration.
+    Point 0 of the panel is the zero-shot model (no warm start ran), the update ran through the same
+    trainer (a KL to the reference, a finite gradient), and the final point follows it."""
+    import argparse
+
+    learning = _learning_module()
+    cfg = learning.compose_config(["experiment=learning_pretrained"])
+    assert (cfg.model.name, cfg.warm_start.steps, cfg.algorithm.name) == ("smollm2-135m", 0, "gigpo")
+    assert cfg.algorithm.kl_coef > 0 and cfg.algorithm.max_kl is not None
+    assert (cfg.env.template, cfg.env.action_format, cfg.rollout.eval_temperature) == ("reference", "reference", 0.4)
+    args = argparse.Namespace(out=str(tmp_path), iterations=None, quick=False, diagnose=False,
+                              set=["iterations=1", "eval_every=1", "env.num_groups=2", "env.group_size=2",
+                                   "env.eval_episodes=2", "env.max_steps=2", "rollout.max_new_tokens=12"])
+    run = learning.run_one("pretrained", "gigpo", 0, args)
+    assert run["warm_start_loss"] is None  # no warm start: the start is the zero-shot model
+    assert [p["iteration"] for p in run["panel"]] == [0, 1]
+    assert all(0.0 <= p[k] <= 1.0 for p in run["panel"] for k in ("greedy", "sampled", "greedy_action_valid"))
+    assert len(run["train_success"]) == 1 and run["rl_s_per_iteration"] > 0
+    assert (tmp_path / "pretrained_gigpo_seed0.json").exists()
+    metrics = [json.loads(line) for line in open(tmp_path / "pretrained_gigpo_seed0" / "metrics.jsonl")]
+    update = next(m for m in metrics if "update_steps" in m)
+    assert update["update_steps"] == 1 and math.isfinite(update["grad_norm"])
+    assert "kl_ref" in update and update["approx_kl_max"] <= cfg.algorithm.max_kl  # the KL to the start is in the loss
