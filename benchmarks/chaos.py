@@ -244,6 +244,16 @@ class Supervisor:
         self.launches[-1]["code"] = code
         return code
 
+    def wait_or_kill(self, event: dict) -> None:
+        """The run's exit code into ``event``: seconds by design, minutes on a loaded machine, never
+        forever (after 900 s the run is killed and ``event["hung"]`` set)."""
+        try:
+            event["code"] = self.wait_exit(timeout=900)
+        except subprocess.TimeoutExpired:
+            event["hung"] = True
+            self.proc.kill()
+            event["code"] = self.wait_exit()
+
 
 def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path | None = None,
               timeout: float = 4 * 3600) -> dict:
@@ -334,24 +344,14 @@ def run_chaos(out: Path, iterations: int, schedule: str, seed: int, clean: Path 
                             os.kill(event["pid"], signal.SIGKILL)
                         except ProcessLookupError:
                             event["victim_gone"] = True
-                    try:  # seconds by design; minutes on a loaded machine; never forever
-                        event["code"] = sup.wait_exit(timeout=900)
-                    except subprocess.TimeoutExpired:
-                        event["hung"] = True
-                        sup.proc.kill()
-                        event["code"] = sup.wait_exit()
+                    sup.wait_or_kill(event)
                     sup.start(resume=True)
                     resumes += 1
                 elif kind == "sighup":
                     # a closed terminal: the iteration finishes, its checkpoint is written, exit 129 and one line
                     time.sleep(rng.uniform(0.0, _metrics(run)[-1].get("iteration_s", 1.0)))
                     sup.proc.send_signal(signal.SIGHUP)
-                    try:
-                        event["code"] = sup.wait_exit(timeout=900)
-                    except subprocess.TimeoutExpired:
-                        event["hung"] = True
-                        sup.proc.kill()
-                        event["code"] = sup.wait_exit()
+                    sup.wait_or_kill(event)
                     sup.start(resume=True)
                     resumes += 1
                 elif kind == "changed_resume":
