@@ -45,7 +45,10 @@ def test_anchor_and_frames_agree_across_modalities(name):
         assert "pixels" not in tds["text"].keys()
         assert torch.equal(tds["image"]["anchor"], tds["text"]["anchor"])
         assert torch.equal(tds["both"]["anchor"], tds["text"]["anchor"])
-        assert list(tds["both"]["observation"]) == list(tds["text"]["observation"])  # both: the text as is
+        # both: the text observation, then the image's sentence with its placeholder; the text's task
+        assert list(tds["both"]["observation"]) == [f"{o}\n{envs['image'].visual_observation}"
+                                                    for o in tds["text"]["observation"]]
+        assert list(tds["both"]["task"]) == list(tds["text"]["task"])
         assert torch.equal(tds["both"]["pixels"], tds["image"]["pixels"])
         tds = {m: _expert_step(envs[m], td) for m, td in tds.items()}
 
@@ -72,6 +75,24 @@ def test_sokoban_frame_draws_the_room():
     after = td["pixels"][0].numpy()
     assert game.player != player and np.array_equal(tile(after, game.player), player_tile())
     assert np.array_equal(tile(after, player), tiles["target" if player in game.targets else "floor"])
+
+
+def test_sokoban_prompts_show_what_the_policy_sees(tokenizer):
+    """The sokoban template takes the env's task: the text symbols' legend in text mode, the tiles'
+    legend in image mode; ``both`` prompts hold the text room and the frame's placeholder."""
+    from torchrl_agent.envs.transforms import PromptTransform
+
+    prompts = {}
+    for modality in ("text", "image", "both"):
+        env = make_env("sokoban", num_groups=1, group_size=1, seed=2, modality=modality)
+        td = PromptTransform(tokenizer, "sokoban")._call(env.reset())
+        prompts[modality] = td["text", "prompt"][0]
+    game = env.games[0]
+    assert game.TASK in prompts["text"] and IMAGE_PLACEHOLDER not in prompts["text"]
+    assert game.VISUAL_TASK in prompts["image"] and "# wall" not in prompts["image"]
+    assert prompts["image"].count(IMAGE_PLACEHOLDER) == 1
+    assert game.TASK in prompts["both"] and game.render() in prompts["both"]
+    assert prompts["both"].count(IMAGE_PLACEHOLDER) == 1
 
 
 def test_modality_errors():

@@ -27,7 +27,9 @@ each game's frame drawn by :meth:`TextGame.render_image`, and the text says noth
 ``observation`` is the game's :attr:`~TextGame.VISUAL_OBSERVATION`, a sentence with the image
 placeholder ``<image>`` where the frame goes (the reference's visual templates), and ``task`` its
 :attr:`~TextGame.VISUAL_TASK` where it has one (a sprite legend instead of the text symbols).
-``"both"`` adds ``pixels`` and keeps the text observation. The ``anchor`` is the hash of the text
+``"both"`` adds ``pixels`` and keeps the text: ``observation`` is the text observation followed by
+the :attr:`~TextGame.VISUAL_OBSERVATION` line (so the prompt holds both the text and the frame's
+placeholder), ``task`` the text mode's. The ``anchor`` is the hash of the text
 state in every modality, so GiGPO groups the same states whatever the policy sees. (The option is
 not called ``observation``: NumberLine's ``observation`` already chooses how its text is written.)
 
@@ -302,6 +304,8 @@ class TextEnv(EnvBase):
         if self.modality == "image":  # the text says nothing about the state; the anchor below still does
             observation = [self.visual_observation] * B[0]
             task = [self.visual_task] * B[0] if self.visual_task else task
+        elif self.modality == "both":  # the text state, then the sentence with the frame's placeholder
+            observation = [f"{o}\n{self.visual_observation}" for o in observation]
         td = TensorDict(
             {
                 "task": task,

@@ -392,10 +392,9 @@ class SokobanEnv(TextEnv):
 
 
 # ------------------------------------------------------------------------------ prompts and parsing
+# {task}: the rules and the legend of what the policy sees (the text symbols, or in image mode the tiles)
 register_template("sokoban", (
-    "You are a Sokoban solver. Push every box (X) onto a target (O) without getting stuck. "
-    "Symbols: # wall, _ floor, O target, X box, \u221a box on target, P player, S player on target. "
-    + TAGS_INSTRUCTION + "\n"
+    "{task} " + TAGS_INSTRUCTION + "\n"
     "{history}\n"
     "You have taken {step} steps. Current room:\n{observation}\n"
     "Admissible actions: {admissible_actions}"
