@@ -1,6 +1,7 @@
 """The Ray collector on a local two-CPU Ray cluster, one for the module (the smoke experiment:
 NumberLine, the tiny model, a transformers engine in each actor, or one shared engine over HTTP):
-the same rows as the single-process StepCollector for a seed, before and after a weight update; the
+the same rows as the single-process StepCollector for a seed, before and after a weight update (and
+for the tiny VLM on Sokoban frames, images included); the
 standard TorchRL loop; shutdown gives the actors' resources back; an actor killed (SIGKILL) or
 stopped (SIGSTOP) for real is named within seconds; ``torchrl-agent train collector.kind=ray``
 trains on the running cluster; without Ray, a clear ImportError."""
@@ -117,6 +118,23 @@ def single_rows(cfg, policy_factory):
     finally:
         torch.set_num_threads(threads)
     return batches
+
+
+def test_ray_rows_with_images_equal_single_process_rows(cluster):
+    """A VLM's image rows (the tiny VLM on Sokoban frames, a VisionPolicy in each actor): the
+    single-process rows of tests/test_vision_collectors.py, frames and image tokens included."""
+    import test_vision_collectors as vision  # tests/test_vision_collectors.py
+
+    from torchrl_agent.models import build_tiny_vl
+
+    path = str(build_tiny_vl(seed=0))
+    env_factory = vision.image_env_factory(path)
+    with RayStepCollector(env_factory, PolicyFactory("transformers", path, kwargs=vision.ENGINE),
+                          num_groups=vision.NUM_GROUPS, num_collectors=2, seed=vision.SEED,
+                          total_batches=1) as collector:
+        rows = collector.collect()
+    assert rows["pixels"].shape[1:] == (96, 96, 3) and set(rows["image_tokens"].reshape(-1).tolist()) == {9}
+    vision.assert_same_rows(rows, vision.single_process_rows(path, env_factory))
 
 
 def test_ray_rows_equal_single_process_rows(cluster, cfg, policy_factory, single_rows):

@@ -99,27 +99,56 @@ class EngineClient(LLMPolicy):
     """The policy of a collector process: prompts go to the engine server, answers come back.
 
     Tokenizes the prompts and decodes the responses here (in the collector process); the server
-    only sees token ids. Every request must carry its sampling seed (``request_seed``)."""
+    only sees token ids. Every request must carry its sampling seed (``request_seed``).
+
+    With a VLM's ``processor`` it also reads ``pixels``: each prompt's image is expanded here
+    (:func:`~torchrl_agent.modules.vision.prompt_with_image`, the engine's ``min_pixels`` and
+    ``max_pixels``) and its frame (uint8 ``[H, W, 3]``) travels with the token ids; the rows get
+    ``image_tokens`` as :class:`~torchrl_agent.modules.VisionPolicy` writes them."""
 
     accepts_request_seeds = True
 
-    def __init__(self, tokenizer, requests, responses, rank: int, **kwargs):
+    def __init__(self, tokenizer, requests, responses, rank: int, *, processor=None, min_pixels: int | None = None,
+                 max_pixels: int | None = None, **kwargs):
         super().__init__(tokenizer, **kwargs)
         self._requests, self._responses, self.rank = requests, responses, rank
         self._calls, self._parent = 0, os.getppid()
+        self.processor = processor
+        self.image_bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        if processor is not None:
+            self.in_keys = [*LLMPolicy.in_keys, "pixels"]
+            self.out_keys = [*LLMPolicy.out_keys, "image_tokens"]
 
-    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
+    def _generate_inputs(self, tensordict) -> dict:
+        return {} if self.processor is None else {"images": tensordict.get("pixels")}
+
+    def generate(self, prompts: list[str], seeds: list[int] | None = None, images=None) -> list[Generation]:
         if seeds is None:
             raise ValueError("the engine server samples seeded requests only: pass seeds")
-        ids = [self.encode(p) for p in prompts]
+        if images is None:
+            ids, frames = [self.encode(p) for p in prompts], [None] * len(prompts)
+        else:
+            from torchrl_agent.modules.vision import prompt_with_image
+
+            ids = [self.encode(prompt_with_image(self.processor, p, frame, **self.image_bounds)[0])
+                   for p, frame in zip(prompts, images)]
+            frames = [frame.numpy() for frame in images]  # by value through the queue, not a shared-memory handle
         self._calls += 1
-        self._requests.put(("generate", self.rank, self._calls, [(i, p, int(s)) for i, (p, s) in
-                                                                  enumerate(zip(ids, seeds))]))
+        self._requests.put(("generate", self.rank, self._calls, [(i, p, int(s), f) for i, (p, s, f) in
+                                                                  enumerate(zip(ids, seeds, frames))]))
         call, results = _get_while_parent_lives(self._responses, self._parent)
         if call != self._calls:
             raise RuntimeError(f"engine server answered call {call}, expected {self._calls}")
         return [Generation(p, response, log_probs, self.decode(response), too_long, cached)
                 for p, (too_long, response, log_probs, cached) in zip(ids, results)]
+
+    def forward(self, tensordict):
+        tensordict = super().forward(tensordict)
+        if self.processor is None:
+            return tensordict
+        from torchrl_agent.modules.vision import set_image_tokens
+
+        return set_image_tokens(tensordict, self.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
 
 
 def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: int = 1, beats=None) -> None:
@@ -129,6 +158,9 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
         _start_heartbeat(beats, 0, parent)
     os.environ["OMP_NUM_THREADS"] = str(threads)  # before the engine's OpenMP runtime starts
     torch.set_num_threads(threads)
+    engine_kwargs = dict(engine_kwargs)
+    if engine_kwargs.pop("engine", "vllm") == "transformers":
+        return _transformers_server(engine_kwargs, requests, responses, acks, parent)
     try:
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -156,7 +188,7 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
         _, rank, call, items = message
         key = (rank, call)
         calls[key] = [[None] * len(items), len(items)]
-        for i, ids, seed in items:
+        for i, ids, seed, _ in items:  # no frames: a VLM is refused before the server starts
             if not ids or len(ids) > policy.max_prompt_tokens:  # never sent to the engine (as VLLMPolicy)
                 calls[key][0][i] = (True, [], [], 0)
                 calls[key][1] -= 1
@@ -214,6 +246,41 @@ def _engine_main(engine_kwargs: dict, requests, responses: list, acks, threads: 
         policy.close()
 
 
+def _transformers_server(engine_kwargs: dict, requests, responses: list, acks, parent: int) -> None:
+    """The engine server of ``engine="transformers"``: one call at a time, each prompt sampled from
+    its seed (:func:`~torchrl_agent.modules.vision.transformers_engine` with ``request_seeds``: the
+    rows do not depend on which calls share the server); a VLM takes each prompt's frame."""
+    try:
+        from torchrl_agent.modules.vision import transformers_engine
+
+        policy = transformers_engine(engine_kwargs.pop("model_path"), request_seeds=True, **engine_kwargs)
+    except BaseException:
+        acks.put(("error", traceback.format_exc()))
+        return
+    acks.put(("ready", policy.max_prompt_tokens))
+    busy_s, calls, prompts = 0.0, 0, 0
+    while True:
+        message = _get_while_parent_lives(requests, parent)
+        if message[0] == "stop":
+            return
+        if message[0] == "stats":
+            acks.put(("stats", {"busy_s": busy_s, "engine_steps": calls, "requests_x_steps": prompts}))
+        elif message[0] == "weights":
+            try:
+                policy.model.load_state_dict(pickle.loads(message[1]))
+                acks.put(("updated", None))
+            except Exception:
+                acks.put(("error", traceback.format_exc()))
+        else:
+            _, rank, call, items = message
+            t0 = time.perf_counter()
+            frames = [frame for *_, frame in items]
+            inputs = None if not frames or frames[0] is None else [policy.image_inputs([frame]) for frame in frames]
+            out = policy._generate_encoded([ids for _, ids, _, _ in items], [seed for _, _, seed, _ in items], inputs)
+            busy_s, calls, prompts = busy_s + time.perf_counter() - t0, calls + 1, prompts + len(items)
+            responses[rank].put((call, [(g.prompt_too_long, g.response_ids, g.log_probs, 0) for g in out]))
+
+
 def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], groups_total: int, seed: int,
                     client_kwargs: dict, requests, responses: list, commands, data,
                     total_batches: int | None = None, beats=None) -> None:
@@ -234,11 +301,16 @@ def _collector_main(rank: int, env_factory, shards: list[tuple[int, int, int]], 
         torch.set_num_threads(1)
         from transformers import AutoTokenizer
 
+        from torchrl_agent.models import is_vision_model, load_processor
+
         model_path = client_kwargs.pop("model_path")
+        vision = is_vision_model(model_path)
         for shard, groups, offset in shards:
             env = env_factory(groups)
             try:  # a tokenizer per shard: a fast tokenizer is not meant to be shared between threads
-                client = EngineClient(AutoTokenizer.from_pretrained(model_path), requests, responses[shard], shard,
+                processor = load_processor(model_path) if vision else None
+                tokenizer = processor.tokenizer if vision else AutoTokenizer.from_pretrained(model_path)
+                client = EngineClient(tokenizer, requests, responses[shard], shard, processor=processor,
                                       **client_kwargs)
                 built.append((shard, CollectorShard(env, client, groups_total=groups_total, group_offset=offset,
                                                     seed=seed)))
@@ -381,6 +453,14 @@ class MultiProcessStepCollector(ShardedCollector):
         self.engine_threads = engine_threads
         if "model_path" not in engine:
             raise ValueError("engine: 'model_path' is required (the VLLMPolicy keyword arguments)")
+        if engine.get("engine", "vllm") not in ("vllm", "transformers"):
+            raise ValueError(f"engine['engine'] must be 'vllm' or 'transformers', got {engine['engine']!r}")
+        if engine.get("engine", "vllm") == "vllm":
+            from torchrl_agent.models import is_vision_model
+
+            if is_vision_model(engine["model_path"]):
+                raise ValueError("engine: the engine server's vLLM engine takes no images yet (docs/vision.md); "
+                                 "serve a VLM with engine['engine']='transformers'")
         super().__init__(num_groups=num_groups, num_collectors=num_collectors, seed=seed, total_frames=total_frames,
                          total_batches=total_batches, replay_buffer=replay_buffer, postproc=postproc,
                          max_batches_ahead=max_batches_ahead,
@@ -404,7 +484,8 @@ class MultiProcessStepCollector(ShardedCollector):
                                          self._beats))
         self._engine.start()
         client = {"model_path": str(engine["model_path"]), "max_new_tokens": engine.get("max_new_tokens", 64),
-                  "temperature": engine.get("temperature", 1.0)}
+                  "temperature": engine.get("temperature", 1.0),
+                  **{k: engine[k] for k in ("min_pixels", "max_pixels") if k in engine}}  # a VLM's image bounds
         # process r steps shards first .. first + count - 1: (shard, groups, first group) each
         owned = [[(i, *self.shards[i]) for i in range(first, first + count)]
                  for count, first in split_groups(len(self.shards), k)]

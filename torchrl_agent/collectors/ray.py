@@ -83,9 +83,12 @@ class PolicyFactory:
 
     Args:
         engine: ``"transformers"`` (a copy of the model in every actor,
-            :class:`~torchrl_agent.modules.TransformersPolicy`), ``"vllm"`` (an engine in every actor,
-            :class:`~torchrl_agent.modules.VLLMPolicy`) or ``"http"`` (a client of one shared server,
-            :class:`~torchrl_agent.modules.http_policy.HTTPPolicy`).
+            :class:`~torchrl_agent.modules.TransformersPolicy`, or for a VLM folder
+            :class:`~torchrl_agent.modules.VisionPolicy`: ``kwargs`` may then hold ``min_pixels``,
+            ``max_pixels``), ``"vllm"`` (an engine in every actor,
+            :class:`~torchrl_agent.modules.VLLMPolicy`; text models only so far) or ``"http"`` (a client of one shared server,
+            :class:`~torchrl_agent.modules.http_policy.HTTPPolicy`; a VLM's frames as image content,
+            which needs ``kwargs={"api": "chat"}``).
         model_path: the model folder (its weights; for ``"http"`` only its tokenizer).
         base_url: the server's root URL (``"http"`` only), e.g. ``http://HEAD_IP:8000``.
         dtype: the weights' dtype (``"transformers"``, ``"vllm"``).
@@ -110,23 +113,29 @@ class PolicyFactory:
     def __call__(self) -> LLMPolicy:
         from transformers import AutoTokenizer
 
+        from torchrl_agent.models import is_vision_model
+
+        vision = is_vision_model(self.model_path)
         if self.engine == "vllm":
+            if vision:
+                raise ValueError("PolicyFactory: the vLLM engine takes no images yet (docs/vision.md); serve a VLM "
+                                 "with engine='transformers' or 'http'")
             from torchrl_agent.modules.vllm_policy import VLLMPolicy
 
             return VLLMPolicy(self.model_path, dtype=self.dtype, **self.kwargs)
+        if self.engine == "transformers":  # a VLM: VisionPolicy, its frames read from `pixels`
+            from torchrl_agent.modules.vision import transformers_engine
+
+            return transformers_engine(self.model_path, dtype=self.dtype, request_seeds=self.request_seeds,
+                                       **self.kwargs)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if self.engine == "http":
-            from torchrl_agent.modules.http_policy import HTTPPolicy
+        from torchrl_agent.modules.http_policy import HTTPPolicy
 
-            return HTTPPolicy(self.base_url, tokenizer, request_seeds=self.request_seeds, **self.kwargs)
-        from transformers import AutoModelForCausalLM
-
-        from torchrl_agent.modules import TransformersPolicy
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=getattr(torch, self.dtype)).eval()
-        return TransformersPolicy(model, tokenizer, request_seeds=self.request_seeds, **self.kwargs)
+        # a VLM's frames go as OpenAI image content (api="chat")
+        return HTTPPolicy(self.base_url, tokenizer, request_seeds=self.request_seeds,
+                          **({"images": True} if vision else {}), **self.kwargs)
 
 
 class _ShardActor(CollectorShard):

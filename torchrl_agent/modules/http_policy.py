@@ -16,6 +16,12 @@ With ``api="chat"`` the prompt text is sent as one user message to ``/v1/chat/co
 server applies its own chat template, so ``prompt_ids`` (local) are not what the model saw. Use
 ``api="completions"`` (the default) when the prompt already holds the chat template.
 
+Images (a VLM's prompt-only baseline, ``images=True``, ``api="chat"`` only): the policy also reads
+``pixels``; each prompt goes as one user message whose content is a list: the text before the
+prompt's last ``<image>``, the frame as OpenAI image content (``{"type": "image_url", "image_url":
+{"url": "data:image/png;base64,..."}}``, the uint8 frame as a PNG), the text after it. The server's
+processor expands the image; ``prompt_ids`` stay the local tokenisation of the text.
+
 API key: ``api_key`` is sent as ``Authorization: Bearer KEY`` (``torchrl-agent eval`` reads it
 from the environment variable ``eval.api_key_env``, ``OPENAI_API_KEY`` by default, so it is never
 in a config, a log or a file). A URL that carries credentials (``user:key@host`` or a query
@@ -33,7 +39,9 @@ failure (after the retries) costs only its prompt: the generation comes back emp
 
 from __future__ import annotations
 
+import base64
 import http.client
+import io
 import json
 import logging
 import math
@@ -43,10 +51,11 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from torchrl_agent.envs.base import clean_text
+from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, clean_text
 from torchrl_agent.modules.policy import Generation, LLMPolicy
 
-__all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY", "redact_credentials", "url_credentials"]
+__all__ = ["HTTPPolicy", "HTTPPolicyError", "VLLM_EXTRA_BODY", "image_content", "redact_credentials",
+           "url_credentials"]
 
 #: vLLM's extra request fields: response token ids, no BOS added to the prompt, no top-k.
 VLLM_EXTRA_BODY = {"return_token_ids": True, "add_special_tokens": False, "top_k": 0}
@@ -84,6 +93,16 @@ def redact_credentials(text: str) -> str:
     return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(r"\1***@", text))
 
 
+def image_content(frame) -> dict:
+    """OpenAI image content of a uint8 ``[H, W, 3]`` frame: a ``data:`` URL of its PNG."""
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(frame.numpy() if hasattr(frame, "numpy") else frame).save(buffer, format="PNG")
+    return {"type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()}}
+
+
 class HTTPPolicyError(RuntimeError):
     """The endpoint failed (after retries) or answered something that is not a completion."""
 
@@ -116,14 +135,21 @@ class HTTPPolicy(LLMPolicy):
         on_error: ``"raise"`` (default: :class:`HTTPPolicyError`) or ``"truncate"``: a failed
             request costs only its prompt (empty generation flagged ``prompt_too_long``), its
             message goes to :attr:`errors`.
+        images: also read ``pixels`` ``[b, H, W, 3]`` and send each prompt's frame as image
+            content in place of its last ``<image>`` (see the module notes; ``api="chat"``).
     """
 
     def __init__(self, base_url: str, tokenizer, *, model: str = "default", api: str = "completions",
                  seed: int | None = 0, timeout: float = 60.0, retries: int = 3, backoff: float = 0.5,
                  max_concurrency: int = 8, api_key: str | None = None, extra_body: dict | None = None,
-                 on_error: str = "raise", request_seeds: bool = False, **kwargs):
+                 on_error: str = "raise", request_seeds: bool = False, images: bool = False, **kwargs):
         super().__init__(tokenizer, **kwargs)
         self.accepts_request_seeds = request_seeds
+        if images and api != "chat":
+            raise ValueError("images=True sends the frames as chat image content: it needs api='chat'")
+        self.images = images
+        if images:
+            self.in_keys = [*LLMPolicy.in_keys, "pixels"]
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must be an http(s) URL, got {base_url!r}")
         where = url_credentials(base_url)
@@ -162,12 +188,19 @@ class HTTPPolicy(LLMPolicy):
         self.seed = seed
         self._requests = 0
 
-    def generate(self, prompts: list[str], seeds: list[int] | None = None) -> list[Generation]:
-        """One completion per prompt; ``seeds`` (one per prompt), when given, replace ``seed + k``."""
+    def _generate_inputs(self, tensordict) -> dict:
+        return {"images": tensordict.get("pixels")} if self.images else {}
+
+    def generate(self, prompts: list[str], seeds: list[int] | None = None, images=None) -> list[Generation]:
+        """One completion per prompt; ``seeds`` (one per prompt), when given, replace ``seed + k``;
+        ``images`` (one uint8 ``[H, W, 3]`` frame per prompt) go as image content (``api="chat"``)."""
         if isinstance(prompts, str) or not all(isinstance(p, str) for p in prompts):
             raise TypeError("prompts must be a list of str")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        if images is not None and (self.api != "chat" or len(images) != len(prompts)):
+            raise ValueError(f"HTTPPolicy: images go with api='chat', one per prompt ({len(prompts)} prompts, "
+                             f"{len(images)} images, api={self.api!r})")
         out = [Generation(ids) for ids in (self.encode(p) for p in prompts)]
         limit = self.max_prompt_tokens
         todo = []
@@ -182,17 +215,18 @@ class HTTPPolicy(LLMPolicy):
                 self._requests += 1
                 todo.append((i, seed))
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(1, len(todo)))) as pool:
-            replies = list(pool.map(lambda job: self._request(prompts[job[0]], job[1], out[job[0]]), todo))
+            replies = list(pool.map(lambda job: self._request(prompts[job[0]], job[1], out[job[0]],
+                                                              None if images is None else images[job[0]]), todo))
         for (i, _), reply in zip(todo, replies):
             if reply is None:
                 out[i].prompt_too_long = True
         return out
 
-    def _request(self, prompt: str, seed: int | None, g: Generation) -> dict | None:
-        """POST one prompt and fill ``g``; ``None`` when nothing was generated (too long, or a
-        failure under ``on_error="truncate"``)."""
+    def _request(self, prompt: str, seed: int | None, g: Generation, frame=None) -> dict | None:
+        """POST one prompt (with its frame) and fill ``g``; ``None`` when nothing was generated (too
+        long, or a failure under ``on_error="truncate"``)."""
         try:
-            reply = self._post(self._body(prompt, seed))
+            reply = self._post(self._body(prompt, seed, frame))
             if reply is not None:
                 self._fill(g, reply)
             return reply
@@ -204,13 +238,19 @@ class HTTPPolicy(LLMPolicy):
             g.response_ids, g.log_probs, g.text = [], [], ""
             return None
 
-    def _body(self, prompt: str, seed: int | None) -> dict:
+    def _body(self, prompt: str, seed: int | None, frame=None) -> dict:
         body = {"model": self.model, "max_tokens": self.max_new_tokens, "temperature": self.temperature,
                 "top_p": 1.0}
         if self.api == "completions":
             body.update(prompt=prompt, logprobs=1)
         else:
-            body.update(messages=[{"role": "user", "content": prompt}], logprobs=True)
+            content = prompt
+            if frame is not None:  # the text around the image's place, the frame in it
+                head, found, tail = prompt.rpartition(IMAGE_PLACEHOLDER)
+                head, tail = (head, tail) if found else (prompt, "")
+                content = [*([{"type": "text", "text": head}] if head else []), image_content(frame),
+                           *([{"type": "text", "text": tail}] if tail else [])]
+            body.update(messages=[{"role": "user", "content": content}], logprobs=True)
         if seed is not None:
             body["seed"] = seed
         body.update(self.extra_body)

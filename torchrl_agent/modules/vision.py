@@ -35,7 +35,7 @@ from torchrl_agent.modules.policy import Generation
 from torchrl_agent.modules.transformers_policy import TransformersPolicy
 
 __all__ = ["VISION_PLACEHOLDER", "VisionPolicy", "VisionResponseLogProbs", "expand_image", "image_inputs",
-           "rope_positions"]
+           "prompt_with_image", "rope_positions", "set_image_tokens", "transformers_engine"]
 
 #: Qwen's unexpanded image placeholder (what its processors' chat templates write for an image part).
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -65,6 +65,40 @@ def expand_image(prompt: str, image_tokens: int) -> str:
                          f"found {prompt.count(VISION_PLACEHOLDER)} (env.kwargs.modality=image writes one): "
                          f"{prompt[:120]!r}")
     return prompt.replace("<|image_pad|>", "<|image_pad|>" * image_tokens)
+
+
+def prompt_with_image(processor, prompt: str, frame, *, min_pixels: int = MIN_PIXELS,
+                      max_pixels: int = MAX_PIXELS) -> tuple[str, dict]:
+    """``(prompt with its image expanded, image inputs)`` of one prompt and its frame (uint8
+    ``[H, W, 3]``): :func:`image_inputs` of the frame, then :func:`expand_image` to the tokens its
+    grid gives. What every engine of a VLM tokenizes (here, in a collector process's client)."""
+    inputs = image_inputs(processor, [frame], min_pixels=min_pixels, max_pixels=max_pixels)
+    return expand_image(prompt, *_image_tokens(processor, inputs["image_grid_thw"])), inputs
+
+
+def set_image_tokens(tensordict: TensorDictBase, image_token_id: int) -> TensorDictBase:
+    """Write ``image_tokens`` ``[b, 1]`` int64: the image pads in each row's ``("tokens", "prompt")``."""
+    prompts = tensordict.get(("tokens", "prompt"), as_list=True)
+    tensordict.set("image_tokens", torch.tensor([[int((p == image_token_id).sum())] for p in prompts]))
+    return tensordict
+
+
+def transformers_engine(model_path, *, dtype: str = "float32", **kwargs) -> TransformersPolicy:
+    """The transformers engine of a model folder: :class:`VisionPolicy` (with the folder's processor)
+    for a VLM (:func:`~torchrl_agent.models.is_vision_model`), else :class:`TransformersPolicy`;
+    ``kwargs``: the policy's (a VLM's ``min_pixels``, ``max_pixels`` besides)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from torchrl_agent.models import is_vision_model, load_processor
+
+    if is_vision_model(model_path):
+        model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        return VisionPolicy(model, load_processor(model_path), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    return TransformersPolicy(model, tokenizer, **kwargs)
 
 
 def rope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -127,10 +161,9 @@ class VisionPolicy(TransformersPolicy):
         if images is None or len(images) != len(prompts):
             raise ValueError(f"VisionPolicy: {len(prompts)} prompts need as many frames (`pixels`, written by "
                              f"env.kwargs.modality=image), got {None if images is None else len(images)}")
-        inputs = [self.image_inputs([frame]) for frame in images]
-        encoded = [self.encode(expand_image(p, *_image_tokens(self.processor, x["image_grid_thw"])))
-                   for p, x in zip(prompts, inputs)]
-        return self._generate_encoded(encoded, seeds, inputs)
+        expanded = [prompt_with_image(self.processor, p, frame, min_pixels=self.min_pixels,
+                                      max_pixels=self.max_pixels) for p, frame in zip(prompts, images)]
+        return self._generate_encoded([self.encode(p) for p, _ in expanded], seeds, [x for _, x in expanded])
 
     def _generate_inputs(self, tensordict: TensorDictBase) -> dict:
         return {"images": tensordict.get("pixels")}
@@ -143,10 +176,7 @@ class VisionPolicy(TransformersPolicy):
                            "image_grid_thw": grid}
 
     def forward(self, tensordict: TensorDictBase) -> TensorDictBase:
-        tensordict = super().forward(tensordict)
-        prompts = tensordict.get(("tokens", "prompt"), as_list=True)
-        tensordict.set("image_tokens", torch.tensor([[int((p == self.image_token_id).sum())] for p in prompts]))
-        return tensordict
+        return set_image_tokens(super().forward(tensordict), self.image_token_id)
 
 
 class VisionResponseLogProbs(ResponseLogProbs):

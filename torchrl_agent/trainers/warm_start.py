@@ -39,11 +39,18 @@ WARM_START_SEED_OFFSET = 1_000_003
 
 
 @torch.no_grad()
-def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
+def expert_rows(cfg, tokenizer, *, episodes: int, processor=None, **image_bounds) -> TensorDictBase:
     """Rows ``[N]`` with ragged ``("tokens", "prompt")`` and ``("tokens", "response")`` from
     expert episodes of the configured environment (steps without an expert action are skipped),
     and ``"state"`` (int64): the index of the demonstration step a row belongs to (rows of one
-    state share it; more than one row per state with ``warm_start.balanced``)."""
+    state share it; more than one row per state with ``warm_start.balanced``).
+
+    With a VLM's ``processor`` (an image env, ``env.kwargs.modality=image`` or ``both``) each prompt's
+    image is expanded as the engine expands it (:func:`~torchrl_agent.modules.vision.prompt_with_image`,
+    ``image_bounds``: the engine's ``min_pixels``, ``max_pixels``) and the row keeps its frame,
+    ``pixels`` uint8 ``[H, W, 3]``: :class:`~torchrl_agent.modules.VisionResponseLogProbs` scores them."""
+    from torchrl_agent.modules.vision import prompt_with_image
+
     env = build_env(dataclasses.replace(cfg, seed=cfg.seed + WARM_START_SEED_OFFSET), tokenizer)
     n = env.batch_size[0]
     noise = cfg.warm_start.expert_noise
@@ -64,13 +71,17 @@ def expert_rows(cfg, tokenizer, *, episodes: int) -> TensorDictBase:
                 if noise > 0 and admissible != [""] and rng.random() < noise:
                     experts[i] = str(rng.choice(admissible))  # the noisy demonstrator's own choice
                     targets = admissible if balanced else [experts[i]]  # balanced: the whole uniform draw
-                prompt = torch.tensor(tokenizer(td[i]["text", "prompt"], add_special_tokens=False)["input_ids"])
+                text, image = td[i]["text", "prompt"], {}
+                if processor is not None:  # a VLM: the image's tokens in the prompt, its frame in the row
+                    text = prompt_with_image(processor, text, td["pixels"][i], **image_bounds)[0]
+                    image = {"pixels": td["pixels"][i]}
+                prompt = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"])
                 fmt = resolve_format(cfg.env.action_format, cfg.env.name)
                 for target in targets:
                     response = tokenizer(expert_response(target, fmt, cfg.warm_start.think),
                                          add_special_tokens=False)["input_ids"] + [eos]
                     rows.append(TensorDict({"tokens": {"prompt": prompt, "response": torch.tensor(response)},
-                                            "state": torch.tensor(state)}))
+                                            "state": torch.tensor(state), **image}))
                 state += 1
             td["action"] = experts
             td = step_mdp(env.step(td))
