@@ -5,7 +5,10 @@ Processes (all started with ``spawn``; the collector starts and stops them):
 - **one engine server**: a :class:`~torchrl_agent.modules.VLLMPolicy`'s engine (vLLM's ``LLMEngine``,
   in that process). Requests of every collector process are added to the engine as they arrive and
   the engine steps the running batch (continuous batching): a request joins the batch at the next
-  engine step, whoever sent it, and leaves it as soon as it finishes.
+  engine step, whoever sent it, and leaves it as soon as it finishes. With
+  ``engine={"engine": "transformers", ...}`` it is the folder's transformers engine instead, one call
+  at a time: a VLM's (:class:`~torchrl_agent.modules.VisionPolicy`; each client expands its prompts'
+  images and sends each frame, uint8, beside the token ids: :class:`EngineClient`).
 - **``num_collectors`` collector processes**: each owns ``shards_per_collector`` shards of the
   groups (a :class:`~torchrl_agent.collectors.StepCollector` over ``env_factory(shard_groups)``
   each, stepped by a thread of its own). A shard steps its environments, builds and tokenizes
@@ -406,7 +409,11 @@ class MultiProcessStepCollector(ShardedCollector):
             :class:`StepCollector`. Called once in each collector process.
         engine: keyword arguments of :class:`~torchrl_agent.modules.VLLMPolicy` (``model_path``
             required; ``max_new_tokens``, ``temperature``, ``max_model_len``, ...), built in the
-            engine server.
+            engine server. With ``"engine": "transformers"`` the server runs the folder's
+            transformers engine instead (:func:`~torchrl_agent.modules.vision.transformers_engine`:
+            :class:`~torchrl_agent.modules.VisionPolicy` for a VLM, whose ``min_pixels`` and
+            ``max_pixels`` the collector processes' clients use too), one call at a time, each
+            prompt sampled from its seed: the engine of a VLM (vLLM takes no images here yet).
         num_groups: groups per batch, split as evenly as possible over the shards (in order: the
             shards of process 0 first).
         num_collectors: collector processes (at most ``num_groups``).
