@@ -108,7 +108,7 @@ def test_sokoban_full_memory_200_steps_stays_within_the_default_budget(tokenizer
     from tensordict import NonTensorStack
     from torchrl.envs.utils import step_mdp
 
-    from torchrl_agent.trainers.trainer import build_env, prompt_budget
+    from torchrl_agent.trainers.builders import build_env, prompt_budget
 
     cfg = compose_config(["experiment=smoke", "env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1",
                           "env.group_size=1"])
@@ -177,20 +177,19 @@ def _rows(group, traj, fault_key="env_fault", faulted=()):
                        "reward": torch.arange(n, dtype=torch.float32).reshape(n, 1)}, batch_size=[n])
 
 
-def test_faulted_episodes_are_left_out_and_small_groups_dropped(tmp_path):
-    from torchrl_agent.trainers import Trainer
+def test_faulted_episodes_are_left_out_and_small_groups_dropped():
+    from torchrl_agent.trainers.batching import drop_faulted
 
-    trainer = Trainer(compose_config([*SMALL, f"run_dir={tmp_path}"]))
     # group 0: trajectories 0,1,2 (1 faulted: normalised over 0 and 2); group 1: 3,4 (4 faulted: dropped)
     rows = _rows([0, 0, 0, 0, 1, 1, 1], [0, 0, 1, 2, 3, 4, 4], faulted=(1, 4))
-    kept, counts = trainer._drop_faulted(rows)
+    kept, counts = drop_faulted(rows)
     assert kept["traj_id"].tolist() == [0, 0, 2]
     assert counts == {"env_faults": 2, "fault_rows_dropped": 4, "fault_groups_dropped": 1}
-    kept, counts = trainer._drop_faulted(_rows([0, 0], [0, 1], "worker_fault", faulted=(0, 1)))
+    kept, counts = drop_faulted(_rows([0, 0], [0, 1], "worker_fault", faulted=(0, 1)))
     assert kept is None and counts["env_faults"] == 2
     assert counts["fault_groups_dropped"] == 1  # a group whose every episode faulted is dropped too
     # group 0 loses all of its episodes, group 1 one of three (normalised over the other two)
-    kept, counts = trainer._drop_faulted(_rows([0, 0, 1, 1, 1], [0, 1, 2, 3, 4], faulted=(0, 1, 3)))
+    kept, counts = drop_faulted(_rows([0, 0, 1, 1, 1], [0, 1, 2, 3, 4], faulted=(0, 1, 3)))
     assert kept["traj_id"].tolist() == [2, 4] and counts["fault_groups_dropped"] == 1
 
 
@@ -211,6 +210,7 @@ def test_a_worker_killed_mid_collection_costs_only_its_episodes(tmp_path):
     import signal
 
     from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.batching import drop_faulted
 
     trainer = Trainer(compose_config([*SMALL, "env.num_workers=2", "env.max_steps=6", "iterations=1",
                                       f"run_dir={tmp_path}"]))
@@ -227,7 +227,7 @@ def test_a_worker_killed_mid_collection_costs_only_its_episodes(tmp_path):
     base._step = step_then_kill
     rows = trainer.collector.collect()
     assert base.num_restarts == 1 and rows["worker_fault"].any()
-    kept, counts = trainer._drop_faulted(rows)
+    kept, counts = drop_faulted(rows)
     assert counts["env_faults"] >= 1 and not kept["worker_fault"].any()
     assert kept.batch_size[0] + counts["fault_rows_dropped"] == rows.batch_size[0]
     trainer.env.close()
@@ -387,7 +387,7 @@ def test_a_used_run_dir_is_refused_and_resume_auto_continues_it(tmp_path, capsys
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines[:2]) + '\n{"iteration": 2, "los')
     resumed = Trainer(compose_config([*args, "resume=auto"]))
-    assert resumed.resume_path == tmp_path / "checkpoints" / "iteration_00000.pt"
+    assert resumed.checkpoints.resume_path == tmp_path / "checkpoints" / "iteration_00000.pt"
     resumed.train()
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records] == [0, 1, 2, 3]  # no duplicates, nothing lost
@@ -402,7 +402,7 @@ def test_resume_auto_in_an_empty_run_dir_starts_fresh(tmp_path):
     from torchrl_agent.trainers import Trainer
 
     trainer = Trainer(compose_config([*SMALL, "iterations=1", f"run_dir={tmp_path}", "resume=auto"]))
-    assert trainer.resume_path is None
+    assert trainer.checkpoints.resume_path is None
     trainer.train()
     assert (tmp_path / "checkpoints" / "last.pt").exists()
 
@@ -410,21 +410,21 @@ def test_resume_auto_in_an_empty_run_dir_starts_fresh(tmp_path):
 def test_non_finite_metrics_are_written_as_null_and_counted(tmp_path, caplog):
     from torch.utils.tensorboard import SummaryWriter
 
-    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.loggers import MetricsLog
 
-    trainer = Trainer(compose_config([*SMALL, f"run_dir={tmp_path}"]))
+    log = MetricsLog(None, tmp_path)
     path = tmp_path / "metrics.jsonl"
-    with open(path, "a") as f, caplog.at_level(logging.WARNING):
-        writer = SummaryWriter(str(tmp_path / "tb"))
-        trainer._log({"iteration": 0, "loss": float("nan"), "grad_norm": float("inf"), "success": 0.5}, writer, f)
-        writer.close()
+    with open(path, "a") as log.file, caplog.at_level(logging.WARNING):
+        log.writer = SummaryWriter(str(tmp_path / "tb"))
+        log.log({"iteration": 0, "loss": float("nan"), "grad_norm": float("inf"), "success": 0.5})
+        log.writer.close()
 
     def strict(constant):
         raise ValueError(f"non-strict JSON constant {constant}")
 
     record = json.loads(path.read_text(), parse_constant=strict)
     assert record == {"iteration": 0, "loss": None, "grad_norm": None, "success": 0.5, "nonfinite_metrics": 2}
-    assert trainer.nonfinite_metrics == 2 and "grad_norm" in caplog.text
+    assert log.nonfinite_metrics == 2 and "grad_norm" in caplog.text
 
 
 class PoisonedNumberLine(NumberLineGame):
@@ -481,13 +481,14 @@ def test_training_on_nan_rewards_drops_the_faulted_groups_instead_of_diverging(t
 def test_a_diverging_run_stops_with_a_message_and_leaves_the_last_good_checkpoint(tmp_path, capsys):
     """The advantages turn NaN after the first checkpoint: the gradients are NaN, the steps are
     skipped, the run stops naming the likely causes, and the checkpoint on disk is the last finite one."""
-    import torchrl_agent.trainers.trainer as trainer_module
+    from torchrl_agent.trainers.checkpointer import Checkpointer
+    from torchrl_agent.trainers.scoring import Scorer
 
-    original, inputs = trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs
+    original, inputs = Checkpointer.save, Scorer.loss_inputs
     poisoned = []
 
-    def save_then_poison(self, path=None):
-        out = original(self, path)
+    def save_then_poison(self, iteration, path=None):
+        out = original(self, iteration, path)
         poisoned.append(True)
         return out
 
@@ -497,12 +498,12 @@ def test_a_diverging_run_stops_with_a_message_and_leaves_the_last_good_checkpoin
             batch["advantage"] = batch["advantage"] * float("nan")
         return batch
 
-    trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs = save_then_poison, poisoned_inputs
+    Checkpointer.save, Scorer.loss_inputs = save_then_poison, poisoned_inputs
     try:
         code = main(["train", *SMALL, "iterations=3", "checkpoint_every=1", "algorithm.max_skipped_steps=1",
                      f"run_dir={tmp_path}"])
     finally:
-        trainer_module.Trainer.save_checkpoint, trainer_module.Trainer.loss_inputs = original, inputs
+        Checkpointer.save, Scorer.loss_inputs = original, inputs
     assert code == 1
     assert "training diverged" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "checkpoints").glob("*.pt")] == ["iteration_00000.pt"]
