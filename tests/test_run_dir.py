@@ -289,7 +289,7 @@ def test_run_dir_a_file_and_seed_minus_one_are_one_line(tmp_path, capsys):
 @pytest.fixture
 def small_disk(tmp_path):
     """``make(mb)``: a real filesystem of ``mb`` MB (a tmpfs; mounting needs root, else the test is
-    skipped: tests/test_faults.py causes a failed write with ``ulimit -f`` without privileges)."""
+    skipped: tests/test_checkpointer.py causes a failed write with ``ulimit -f`` without privileges)."""
     mounts = []
 
     def make(mb: int, name: str = "disk") -> Path:
