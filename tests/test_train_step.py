@@ -321,7 +321,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert metrics["approx_kl_max"] > 0.05  # unbounded, the update goes past the budget used below
     bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.max_kl=0.01"]))
     before = {k: v.clone() for k, v in bounded.model.state_dict().items()}
-    scored = bounded.score(rows.clone())  # the sampling policy's log-probs (same weights as `free`'s start)
+    scored = bounded.scorer.score(rows.clone())  # the sampling policy's log-probs (same weights as `free`'s start)
     metrics = bounded.update(rows.clone())
     assert metrics["kl_step_halvings"] >= 1  # the first step alone was over the budget: halved
     assert metrics["approx_kl_max"] <= 0.01
@@ -329,7 +329,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     moved = any(not torch.equal(v, before[k]) for k, v in bounded.model.state_dict().items())
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
-    assert bounded.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
+    assert bounded.updater.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
 
 
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
