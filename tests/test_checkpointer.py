@@ -31,16 +31,6 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A 3-iteration smoke run with a checkpoint after every iteration (read-only: copy it)."""
-    from torchrl_agent.trainers import Trainer
-
-    run = tmp_path_factory.mktemp("finished") / "run"
-    Trainer(compose_config([*SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}"])).train()
-    return run
-
-
 def _copy(run: Path, to: Path) -> Path:
     shutil.copytree(run, to, copy_function=shutil.copy)
     return to

@@ -42,16 +42,6 @@ def _iterations(run_dir: Path) -> list[int]:
     return [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A 3-iteration smoke run with a checkpoint after every iteration (read-only: copy it)."""
-    from torchrl_agent.trainers import Trainer
-
-    run = tmp_path_factory.mktemp("finished") / "run"
-    Trainer(compose_config([*SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}"])).train()
-    return run
-
-
 def _copy(run: Path, to: Path) -> Path:
     shutil.copytree(run, to, copy_function=shutil.copy)  # copied without its timestamps
     return to
