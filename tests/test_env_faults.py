@@ -18,6 +18,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from torchrl_agent.envs import register_env
 from torchrl_agent.envs.base import TextEnv
 from torchrl_agent.envs.games.numberline import NumberLineGame
 from torchrl_agent.trainers.cli import compose_config, main
@@ -49,6 +50,9 @@ class FaultyNumberLine(NumberLineGame):
 def _faulty_env(**kwargs):
     FaultyNumberLine.counter = itertools.count()
     return TextEnv(FaultyNumberLine, **{"max_steps": 3, **kwargs})
+
+
+register_env("faulty_numberline", _faulty_env)
 
 
 def test_a_game_that_raises_ends_only_its_episode():
@@ -234,6 +238,9 @@ class PoisonedNumberLine(NumberLineGame):
     def step(self, action):
         state, reward, terminated, success = super().step(action)
         return state, float("nan") if PoisonedNumberLine.poisoned else reward, terminated, success
+
+
+register_env("poisoned_numberline", lambda **kw: TextEnv(PoisonedNumberLine, **{"max_steps": 3, **kw}))
 
 
 def test_a_non_finite_reward_is_an_env_fault_of_its_episode_in_process_and_in_workers():
