@@ -141,8 +141,8 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(tmp_path
             assert torch.equal(p, frozen[name]), name
     # after the update the adapters moved the policy away from the base model (the reference)
     with trainer.model.disable_adapter():
-        base = trainer.recompute(trainer.model, rows[:4])
-    tuned = trainer.recompute(trainer.model, rows[:4])
+        base = trainer.scorer.recompute(trainer.model, rows[:4])
+    tuned = trainer.scorer.recompute(trainer.model, rows[:4])
     assert any(not torch.allclose(a, b) for a, b in zip(base, tuned))
 
 
@@ -183,14 +183,12 @@ def test_a_fall_by_more_than_half_in_one_iteration_is_warned_in_one_line(tmp_pat
                       {"iteration": 4, "success": 0.0, "action_valid": 0.3}) is None  # a small fall; success under the floor
     assert sharp_fall(None, {"iteration": 0, "success": 0.0}) is None
 
-    from types import SimpleNamespace
+    from torchrl_agent.trainers.loggers import MetricsLog
 
-    from torchrl_agent.trainers import Trainer
-
-    trainer = SimpleNamespace(history=[], nonfinite_metrics=0)  # what Trainer._log reads of a trainer
-    with open(tmp_path / "m.jsonl", "w") as f, caplog.at_level(logging.WARNING, logger="torchrl_agent"):
-        Trainer._log(trainer, dict(before), None, f)
-        Trainer._log(trainer, {"iteration": 4, "success": 0.7, "action_valid": 0.2}, None, f)
+    log = MetricsLog(None, tmp_path)
+    with open(tmp_path / "m.jsonl", "w") as log.file, caplog.at_level(logging.WARNING, logger="torchrl_agent"):
+        log.log(dict(before))
+        log.log({"iteration": 4, "success": 0.7, "action_valid": 0.2})
     falls = [r.getMessage() for r in caplog.records if "after one update" in r.getMessage()]
     assert falls == ["iteration 4: action_valid 0.98 -> 0.20 after one update (that update's largest approx_kl: "
                      "1.24): the policy may have left its answer format; algorithm.max_kl bounds how far one "
