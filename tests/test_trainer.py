@@ -68,11 +68,13 @@ def test_unknown_names_fail_at_start(tmp_path, capsys):
 
 
 def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
+    """With a warm start and a KL term: the reference (the warm-started policy, not the loaded
+    model) comes back from the checkpoint too."""
     import torch
 
     from torchrl_agent.trainers import Trainer
 
-    base = [*SMALL, "eval_every=0", "env.eval_episodes=2", "algorithm.lr=1e-3"]
+    base = [*SMALL, "eval_every=0", "env.eval_episodes=2", "algorithm.lr=1e-3", "algorithm.kl_coef=0.05"]
     straight = Trainer(compose_config([*base, "iterations=2", f"run_dir={tmp_path / 'a'}"]))
     straight.train()
     first = Trainer(compose_config([*base, "iterations=1", f"run_dir={tmp_path / 'b'}"]))
@@ -84,8 +86,10 @@ def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
     a = [h for h in straight.history if h["iteration"] == 1 and "loss" in h][0]
     c = [h for h in resumed.history if h["iteration"] == 1 and "loss" in h][0]
     assert a["episode_reward"] == c["episode_reward"] and a["loss"] == c["loss"]
-    for (name, x), y in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(x, y), name
+    assert a["kl_ref"] == c["kl_ref"] > 0
+    for part in ("model", "reference"):
+        for (name, x), y in zip(getattr(straight, part).state_dict().items(), getattr(resumed, part).state_dict().values()):
+            assert torch.equal(x, y), (part, name)
 
 
 def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):

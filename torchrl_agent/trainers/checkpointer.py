@@ -4,7 +4,8 @@ run resumes from. The file format (atomic writes, checksums, shards, ``verify``)
 are :mod:`.run_dir`'s.
 
 A checkpoint holds everything the next iteration depends on: the weights and the optimizer state,
-the iteration, the collector's position in its seed stream, the algorithm's state (PPO's critic,
+the KL reference's weights when they are not the loaded model's (after the warm start: the
+warm-started policy), the iteration, the collector's position in its seed stream, the algorithm's state (PPO's critic,
 the KL controller, ReMax's seed stream), the RNG states, the held-out successes, and the count and
 digest of the metrics records (kept once, in ``metrics.jsonl``).
 """
@@ -60,15 +61,20 @@ class Checkpointer:
         collector: the training collector (its ``state_dict``: the position in its seed stream).
         hooks: the algorithm's :class:`~torchrl_agent.trainers.algorithms.AlgorithmHooks` (their ``state_dict``).
         metrics: the run's :class:`~torchrl_agent.trainers.loggers.MetricsLog` (history and evaluations).
+        reference: the KL reference model, if the run has one.
 
     Attributes:
         resume_path: the checkpoint the run continues from (``None``: a new run).
         last_checkpoint: the newest checkpoint written (or resumed from).
+        reference_anchored: the reference is not the model ``model.name`` loads (the warm start set it
+            to the warm-started policy): its weights go into every checkpoint, and a resume restores them.
     """
 
-    def __init__(self, cfg, run_dir: Path, model, optimizer, collector, hooks, metrics: MetricsLog) -> None:
+    def __init__(self, cfg, run_dir: Path, model, optimizer, collector, hooks, metrics: MetricsLog,
+                 reference=None) -> None:
         self.cfg, self.run_dir, self.model, self.optimizer = cfg, run_dir, model, optimizer
-        self.collector, self.hooks, self.metrics = collector, hooks, metrics
+        self.collector, self.hooks, self.metrics, self.reference = collector, hooks, metrics, reference
+        self.reference_anchored = False
         self.last_checkpoint: Path | None = None
         self._resume_state = None
         path = None
@@ -97,7 +103,8 @@ class Checkpointer:
         checkpoint intact) when the weights hold NaN/inf or when the write fails (a full disk)."""
         path = Path(path or self.path(iteration))
         kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
-        weights = save_weights(self.model, self.optimizer, path, kept=kept)  # under torchrun: each rank its shards
+        reference = self.reference if self.reference_anchored else None
+        weights = save_weights(self.model, self.optimizer, path, kept=kept, reference=reference)  # torchrun: shards
         if not is_main_process():
             return path
         history = self.metrics.history
@@ -156,7 +163,7 @@ class Checkpointer:
             state = self._resume_state if path == self.resume_path and self._resume_state else read_checkpoint(path)
             self._resume_state = None
             check_model_state(model_shapes(state), self._shapes(), path, state.get("config"))
-        load_weights(self.model, self.optimizer, path, state)
+        self.reference_anchored = load_weights(self.model, self.optimizer, path, state, self.reference)
         sync_weights()
         iteration = broadcast_object(state.get("iteration"))
         self.collector.load_state_dict(broadcast_object(state.get("collector")))

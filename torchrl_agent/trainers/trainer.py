@@ -114,12 +114,11 @@ class Trainer:
         self.metrics = MetricsLog(cfg, self.run_dir)
         try:  # the checkpoint to resume from, checked; a used run_dir without resume= refused
             self.checkpoints = Checkpointer(cfg, self.run_dir, self.model, self.updater.optimizer, self.collector,
-                                            self.hooks, self.metrics)
+                                            self.hooks, self.metrics, self.reference)
         except BaseException:
             self.close()
             raise
-        self.iteration = 0
-        self._faults_seen = 0  # entries of the env's fault_log already reported
+        self.iteration, self._faults_seen = 0, 0  # _faults_seen: entries of the env's fault_log already reported
 
     @property
     def history(self) -> list[dict]:
@@ -252,6 +251,7 @@ class Trainer:
             self.sync_weights()
             if self.reference is not None:  # the KL term anchors the warm-started policy, not the untrained one
                 load_full_state_dict(self.reference, full_state_dict(self.model))
+                self.checkpoints.reference_anchored = True  # so each checkpoint keeps it for a resume
             if main:
                 logger.info("warm start: %s", {k: summary[k] for k in ("warm_start_loss", "warm_start_steps")})
         return start
