@@ -16,9 +16,15 @@ Faults (all on this machine, no network beyond 127.0.0.1):
   non-finite, the steps are skipped and the run stops with a message, leaving finite weights;
 - ``long_prompts``: ``env=sokoban memory=full env.max_steps=200`` for one iteration (default prompt
   budget and token-budget micro-batches).
+- ``sighup``: SIGHUP to ``torchrl-agent train`` (a closed terminal) once its first metrics line is
+  written, then ``resume=auto``;
+- ``changed_resume``: ``resume=auto`` with a larger ``env.group_size`` than the checkpoint's (refused,
+  the run folder untouched), then with the same;
+- ``nan_reward``: a custom env (benchmarks/chaos.py's ``chaos_nan_numberline``) one of whose steps
+  returns a NaN reward in the training collection.
 
-Crashes, restarts, damaged or hostile checkpoints, shared run directories, full disks, signals
-and dead collector processes are ``benchmarks/chaos.py``'s (a supervised 30-iteration run) and
+Crashes, restarts, damaged or hostile checkpoints, shared run directories, full disks, signals at
+random moments and dead collector processes are ``benchmarks/chaos.py``'s (a supervised 30-iteration run) and
 ``tests/test_run_dir.py`` / ``tests/test_collector_multiprocess.py`` / ``tests/test_collector_ray.py``'s.
 
 For each fault: ``completed`` (the program ended as designed: the run finished, or refused or
@@ -157,6 +163,97 @@ def long_prompts(tmp: Path, log: _Log) -> dict:
             "prompt_budget_truncations": record.get("prompt_budget_truncations", 0),
             "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
             "message": f"completed: prompts within the {trainer.env.transform[1].max_prompt_tokens}-token budget"}
+
+
+def _lost_beyond_faulted(records: list[dict]) -> int:
+    """Rows collected but neither trained nor left out as faulted, over the training records."""
+    return sum(r["env_steps"] - round(r["episodes"] * r["episode_length"]) - r.get("fault_rows_dropped", 0)
+               for r in records if "episodes" in r)
+
+
+def sighup(tmp: Path, log: _Log) -> dict:
+    """A closed terminal: SIGHUP to ``torchrl-agent train`` once its first metrics line is written.
+    The iteration running finishes, its checkpoint is written, the run exits (128 + SIGHUP) with one
+    line; ``resume=auto`` then finishes the run."""
+    import subprocess
+
+    run_dir = tmp / "hup"
+    cmd = [sys.executable, "-m", "torchrl_agent.trainers.cli", "train", *SMALL, "iterations=3", f"run_dir={run_dir}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    while proc.poll() is None and not (metrics.exists() and metrics.read_text().count("\n") >= 1):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGHUP)
+    _, err = proc.communicate(timeout=900)
+    stopped = next((line for line in err.splitlines() if "stopped by SIGHUP" in line), "")
+    resumed = subprocess.run([*cmd, "resume=auto"], capture_output=True, text=True, timeout=900)
+    records = _records(run_dir)
+    iterations = [r["iteration"] for r in records]
+    return {"completed": (proc.returncode == 128 + signal.SIGHUP and bool(stopped) and resumed.returncode == 0
+                          and iterations == [0, 1, 2, 3]),
+            "rows_lost": 0, "rows_lost_beyond_faulted": _lost_beyond_faulted(records), "exit_code": proc.returncode,
+            "iterations": iterations, "message": stopped.strip()}
+
+
+def changed_resume(tmp: Path, log: _Log) -> dict:
+    """``resume=auto`` with another experiment (a larger group): refused at start in one line naming
+    the key, nothing in the run folder changed; the same experiment then resumes."""
+    import hashlib
+
+    from torchrl_agent.trainers.cli import main
+
+    run_dir = tmp / "changed"
+    first = ["train", *SMALL, "checkpoint_every=1", f"run_dir={run_dir}"]
+
+    def snapshot() -> dict[str, str]:
+        return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+                for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+    code0, _ = _run_cli(main, first)
+    before = snapshot()
+    code, err = _run_cli(main, [*first, "env.group_size=3", "iterations=2", "resume=auto"])
+    unchanged = snapshot() == before
+    code2, _ = _run_cli(main, [*first, "iterations=2", "resume=auto"])
+    records = _records(run_dir)
+    return {"completed": (code0 == 0 and code == 2 and "env.group_size (2 -> 3)" in err and unchanged and code2 == 0
+                          and [r["iteration"] for r in records] == [0, 1, 2]),
+            "rows_lost": 0, "rows_lost_beyond_faulted": _lost_beyond_faulted(records), "exit_code": code,
+            "run_dir_unchanged": unchanged, "message": (err.strip().splitlines() or [""])[-1]}
+
+
+def nan_reward(tmp: Path, log: _Log) -> dict:
+    """A custom env with a bug: one step of one game returns a NaN reward (benchmarks/chaos.py's
+    ``chaos_nan_numberline``). That game's episode is an env fault (ended truncated, named in the log,
+    its rows left out of the update); the batch and the run go on."""
+    from chaos import NAN_ENV, NAN_FLAG, register_nan_env
+
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    register_nan_env()
+    flag = tmp / "nan.flag"
+    os.environ[NAN_FLAG] = str(flag)
+    try:
+        trainer = Trainer(compose_config([*SMALL, *NAN_ENV, "env.max_steps=4", f"run_dir={tmp / 'nan'}"]))
+        base = trainer.env.base_env
+        original, armed = base._step, []
+
+        def step_after_flag(td):  # the flag at the training collection's first step (not the evaluation's)
+            if not armed:
+                flag.write_text("")
+                armed.append(True)
+            return original(td)
+
+        base._step = step_after_flag
+        trainer.train()
+        trainer.env.close()
+    finally:
+        os.environ.pop(NAN_FLAG)
+    record = _records(tmp / "nan")[0]
+    named = next((m for m in log.messages if "non-finite reward nan" in m), "")
+    return {"completed": bool(named) and record["env_faults"] == 1 and not flag.exists(),
+            "rows_lost": record["fault_rows_dropped"], "rows_lost_beyond_faulted": _lost_beyond_faulted([record]),
+            "episodes_faulted": record["env_faults"], "message": named}
 
 
 # ----------------------------------------------------------------------------------- retrieval faults
@@ -304,6 +401,9 @@ FAULTS = {
     "lr_inf": lr_inf,
     "diverging": diverging,
     "long_prompts": long_prompts,
+    "sighup": sighup,
+    "changed_resume": changed_resume,
+    "nan_reward": nan_reward,
 }
 
 

@@ -86,7 +86,7 @@ class LearningTrainer(Trainer):
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        if self.cfg.warm_start.steps > 0 and not self._evaluated_untrained and not self.evals:
+        if self.cfg.warm_start.steps > 0 and not self._evaluated_untrained and not self.metrics.evals:
             # Trainer.train's point -1 (the untrained model): skipped here, it costs a whole panel of
             # max-length garbage responses and the benchmark's baseline is the warm-started model
             self._evaluated_untrained = True
@@ -120,13 +120,13 @@ class LearningTrainer(Trainer):
             stats.update({k: out[k] for k in DIAGNOSED if k in out})
             self.diagnostics.append({"iteration": self.iteration, **stats})
             return {**out, **stats}
-        old = self.recompute(self.model, rows)  # per-row log-probs of the sampled response tokens
+        old = self.scorer.recompute(self.model, rows)  # per-row log-probs of the sampled response tokens
         token_lp = torch.cat(old)
         stats.update(sampled_logprob_mean=float(token_lp.mean()),
                      sampled_token_p_over_0_99=float((token_lp > math.log(0.99)).float().mean()),
                      response_tokens_mean=len(token_lp) / len(old))
         out = super().update(rows)
-        new = self.recompute(self.model, rows)
+        new = self.scorer.recompute(self.model, rows)
         diff = torch.cat([o - n for o, n in zip(old, new)])
         stats.update(kl_old_new=float(diff.mean()), max_logprob_change=float(diff.abs().max()))
         stats.update({k: out[k] for k in DIAGNOSED if k in out})
@@ -238,7 +238,7 @@ def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
                 response = tok(expert_response(move, fmt, cfg.warm_start.think), add_special_tokens=False)["input_ids"]
                 items.append(TensorDict({"tokens": {"prompt": ids, "response": torch.tensor(response + [eos])}}))
                 owners.append((k, move))
-        seq = [float(lp.sum()) for lp in trainer.recompute(trainer.model, lazy_stack(items))]
+        seq = [float(lp.sum()) for lp in trainer.scorer.recompute(trainer.model, lazy_stack(items))]
     per_prompt: dict[int, dict[str, float]] = {}
     for (k, move), lp in zip(owners, seq):
         per_prompt.setdefault(k, {})[move] = lp

@@ -126,7 +126,7 @@ def old_update(trainer, rows) -> dict:
     from torchrl_agent.trainers.batching import pad_ragged
 
     FullVocabularyLogProbs = _full_vocabulary_log_probs()
-    pad, temperature = trainer.tokenizer.pad_token_id, trainer.actor.temperature
+    pad, temperature = trainer.tokenizer.pad_token_id, trainer.scorer.actor.temperature
 
     @torch.no_grad()
     def recompute(model):
@@ -149,10 +149,10 @@ def old_update(trainer, rows) -> dict:
         batch["ref_log_prob"] = pad_ragged([ref[i] for i in idx], width)
     losses = trainer.loss(batch)
     total = sum(v for k, v in losses.items() if k.startswith("loss_"))
-    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.updater.optimizer.zero_grad(set_to_none=True)
     total.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.algorithm.grad_clip)
-    trainer.optimizer.step()
+    trainer.updater.optimizer.step()
     return {"loss": float(total.detach()), "grad_norm": float(grad_norm)}
 
 

@@ -36,6 +36,7 @@ from torchrl_agent.envs.workers import die_with_parent  # noqa: E402
 from torchrl_agent.objectives.clip_loss import kl_estimate  # noqa: E402
 from torchrl_agent.trainers.cli import compose_config  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer  # noqa: E402
+from torchrl_agent.trainers.update import Updater  # noqa: E402
 
 FORMAT_MARKS = ("<", ">", "think", "action")
 
@@ -54,38 +55,42 @@ def token_kinds(tokenizer, token_ids: torch.Tensor) -> list[str]:
     return kinds
 
 
-class DiagnosedTrainer(Trainer):
-    """:class:`Trainer` that measures each optimizer step (module docstring)."""
+class DiagnosedUpdater(Updater):
+    """The trainer's :class:`Updater` (its optimizer too) measuring each optimizer step (module docstring)."""
 
-    def __init__(self, cfg):
-        super().__init__(cfg)
+    def __init__(self, updater: Updater, tokenizer):
+        super().__init__(updater.cfg, updater.model, updater.loss, updater.scorer)
+        self.optimizer, self.tokenizer = updater.optimizer, tokenizer  # the optimizer the checkpoints save
         self.steps: list[dict] = []
         self._micro: list[tuple] = []
         self._step_in_update = 0
+        loss_inputs = self.scorer.loss_inputs
 
-    def update(self, rows):
+        def captured(rows, idx, active=True):
+            batch = loss_inputs(rows, idx, active)
+            if torch.is_grad_enabled():  # the training forward of a mini-batch (not the KL budget's check)
+                self._micro.append((rows, list(idx), active, batch["log_prob"].detach(),
+                                    batch["mask"], batch["old_log_prob"], batch["advantage"]))
+            return batch
+
+        self.scorer.loss_inputs = captured
+
+    def update(self, rows, iteration):
         self._step_in_update = 0
         self._steps_per_epoch = -(-rows.batch_size[0] // self.cfg.algorithm.minibatch_size)
-        return super().update(rows)
+        return super().update(rows, iteration)
 
-    def loss_inputs(self, rows, idx, active=True):
-        batch = super().loss_inputs(rows, idx, active)
-        if torch.is_grad_enabled():  # the training forward of a mini-batch (not the KL budget's check)
-            self._micro.append((rows, list(idx), active, batch["log_prob"].detach(),
-                                batch["mask"], batch["old_log_prob"], batch["advantage"]))
-        return batch
-
-    def optimizer_step(self):
+    def optimizer_step(self, iteration):
         params = self.trained_parameters()
         before = [p.detach().clone() for p in params]
         grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        norm, skipped = super().optimizer_step()
+        norm, skipped = super().optimizer_step(iteration)
         micro, self._micro = self._micro, []
         if skipped:
             return norm, skipped
         lr = self.optimizer.param_groups[0]["lr"]
         delta = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(params, before)])
-        record = {"iteration": self.iteration, "step": self._step_in_update,
+        record = {"iteration": iteration, "step": self._step_in_update,
                   "epoch": self._step_in_update // self._steps_per_epoch,
                   "minibatch": self._step_in_update % self._steps_per_epoch,
                   "grad_norm": grad_norm, "update_rms_over_lr": float(delta.square().mean().sqrt() / lr),
@@ -93,8 +98,8 @@ class DiagnosedTrainer(Trainer):
         pre, post, old_lp, kinds, adv = [], [], [], [], []
         with torch.no_grad():
             for rows, idx, *_, log_prob, mask, old_log_prob, advantage in micro:
-                with self.autocast():
-                    after = self.actor(rows[idx])["log_prob"]
+                with self.scorer.autocast():
+                    after = self.scorer.actor(rows[idx])["log_prob"]
                 tokens = rows[idx].get(("tokens", "response"), as_padded_tensor=True)
                 for r in range(len(idx)):
                     m = mask[r]
@@ -121,6 +126,15 @@ class DiagnosedTrainer(Trainer):
         self.steps.append(record)
         self._step_in_update += 1
         return norm, skipped
+
+
+class DiagnosedTrainer(Trainer):
+    """:class:`Trainer` whose update is a :class:`DiagnosedUpdater`; ``steps``: its measurements."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.updater = DiagnosedUpdater(self.updater, self.tokenizer)
+        self.steps = self.updater.steps
 
 
 def run_seed(seed: int, args) -> dict:

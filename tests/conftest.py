@@ -56,3 +56,15 @@ def torchrun_launch(tiny_path, tmp_path_factory):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200, cwd=root)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="module")
+def finished_run(request, tmp_path_factory):
+    """A 3-iteration run of the test module's ``SMALL`` overrides with a checkpoint after every
+    iteration (read-only: copy it)."""
+    from torchrl_agent.trainers import Trainer
+    from torchrl_agent.trainers.cli import compose_config
+
+    run = tmp_path_factory.mktemp("finished") / "run"
+    Trainer(compose_config([*request.module.SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}"])).train()
+    return run

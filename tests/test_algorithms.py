@@ -59,8 +59,8 @@ def test_kl_in_reward_with_the_adaptive_controller_trains(tmp_path):
                           "algorithm.aggregation=seq-mean-token-sum-norm", f"run_dir={tmp_path}"])
     trainer = Trainer(cfg)
     computed = []  # the models whose log-probs were computed
-    recompute = trainer.recompute
-    trainer.recompute = lambda model, rows: computed.append(model) or recompute(model, rows)
+    recompute = trainer.scorer.recompute
+    trainer.scorer.recompute = lambda model, rows: computed.append(model) or recompute(model, rows)
     trainer.train()
     records = [h for h in trainer.history if "loss" in h]
     assert all("reward_kl" in r and math.isfinite(r["loss"]) for r in records)

@@ -58,11 +58,17 @@ def _optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
 
 
-def _save(model, optimizer, path: Path, iteration: int) -> None:
-    """What ``Trainer.save_checkpoint`` does: every rank :func:`save_weights`, rank 0 the file."""
+def _reference(seed: int = 7) -> nn.Module:
+    """A frozen KL reference that is not the model's initial weights (the warm-started policy, in a run)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).requires_grad_(False)
+
+
+def _save(model, optimizer, path: Path, iteration: int, reference=None) -> None:
+    """What the trainer's checkpointer does: every rank :func:`save_weights`, rank 0 the file."""
     from torchrl_agent.trainers.distributed import is_main_process
 
-    state = save_weights(model, optimizer, path)
+    state = save_weights(model, optimizer, path, reference=reference)
     if is_main_process():
         write_checkpoint({**state, "iteration": iteration}, path)
 
@@ -77,11 +83,12 @@ def worker(out: str) -> None:
     model, x, y = _model()
     model = shard_model(model)
     optimizer = _optimizer(model)
+    reference = shard_model(_reference(seed=3))  # other weights: the checkpoint's must replace them
     path = out / "single" / "iteration_00000.pt"
-    load_weights(model, optimizer, path, read_checkpoint(path) if rank == 0 else {})
+    assert load_weights(model, optimizer, path, read_checkpoint(path) if rank == 0 else {}, reference)
     half = slice(4 * rank, 4 * rank + 4)
     _step(model, optimizer, x[1, half], y[1, half])
-    _save(model, optimizer, out / "dist" / "iteration_00001.pt", 1)
+    _save(model, optimizer, out / "dist" / "iteration_00001.pt", 1, reference)
     # rank 1's disk "full" (a file-size limit: EFBIG) for the next checkpoint: every rank raises
     limits = resource.getrlimit(resource.RLIMIT_FSIZE)
     if rank == 1:
@@ -93,9 +100,10 @@ def worker(out: str) -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         (out / f"rank{rank}_error.txt").write_text(str(err))
     _step(model, optimizer, x[2, half], y[2, half])
-    weights = full_weights(model)
+    weights, reference_weights = full_weights(model), full_weights(reference)
     if get_rank() == 0:
         torch.save(weights, out / "rank0_final.pt")
+        torch.save(reference_weights, out / "rank0_reference.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -109,12 +117,14 @@ def worker_4(out: str) -> None:
     model, x, y = _model()
     model = shard_model(model)
     optimizer = _optimizer(model)
+    reference = shard_model(_reference(seed=3))
     path = out / "dist" / "iteration_00001.pt"
-    load_weights(model, optimizer, path, read_checkpoint(path) if rank == 0 else {})
+    assert load_weights(model, optimizer, path, read_checkpoint(path) if rank == 0 else {}, reference)
     _step(model, optimizer, x[2, 2 * rank:2 * rank + 2], y[2, 2 * rank:2 * rank + 2])
-    weights = full_weights(model)
+    weights, reference_weights = full_weights(model), full_weights(reference)
     if get_rank() == 0:
         torch.save(weights, out / "rank0_final_4.pt")
+        torch.save(reference_weights, out / "rank0_reference_4.pt")
     torch.distributed.destroy_process_group()
 
 
@@ -151,7 +161,7 @@ def launch(tmp_path_factory):
         _step(model, optimizer, x[i], y[i])
         steps.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         if i == 0:
-            _save(model, optimizer, out / "single" / "iteration_00000.pt", 0)
+            _save(model, optimizer, out / "single" / "iteration_00000.pt", 0, _reference())
     _launch(worker, 2, out)
     _launch(worker_4, 4, out)
     return out, steps
@@ -172,8 +182,8 @@ def test_each_rank_writes_its_shards_and_a_2_rank_checkpoint_resumes_in_one_proc
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= files
     assert {p.name for p in shards_dir(path).iterdir()} == files
     assert not list((out / "dist").glob("*.tmp"))
-    assert state["shards"]["model_shapes"]["0.weight"] == [16, 6]
-    _close(read_weights(path, state), steps[1])  # the full weights, assembled in one process
+    assert state["shards"]["model_shapes"]["0.weight"] == [16, 6] and state["shards"]["reference"]
+    _close(read_weights(path, state), steps[1])  # the full weights (not the reference's), assembled in one process
     # resume in one process: the next step is the one the uninterrupted run took
     model, x, y = _model()
     optimizer = _optimizer(model)
@@ -188,6 +198,15 @@ def test_a_single_process_checkpoint_resumes_on_2_ranks_and_a_2_rank_one_on_4_an
     _close(torch.load(out / "rank0_final.pt", weights_only=True), steps[2])
     # 4 ranks resumed the 2 ranks' shards (each reading the parts it holds), took step 2
     _close(torch.load(out / "rank0_final_4.pt", weights_only=True), steps[2])
+    # the KL reference (not the model's initial weights) came with each checkpoint: 1 -> 2 ranks, 2 -> 4
+    for name in ("rank0_reference.pt", "rank0_reference_4.pt"):
+        _close(torch.load(out / name, weights_only=True), _reference().state_dict())
+    model, x, y = _model()  # a checkpoint without a reference leaves the given one as it was
+    plain = out / "plain.pt"
+    _save(model, _optimizer(model), plain, 0)
+    reference = _reference(seed=3)
+    assert not load_weights(model, _optimizer(model), plain, read_checkpoint(plain), reference)
+    _close(reference.state_dict(), _reference(seed=3).state_dict())
 
 
 def test_a_failed_shard_write_on_one_rank_raises_on_every_rank_and_leaves_nothing(launch):

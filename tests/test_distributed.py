@@ -17,6 +17,7 @@ from tensordict import TensorDict, lazy_stack
 from torchrl_agent.modules import ResponseLogProbs
 from torchrl_agent.objectives import ClipPolicyLoss
 from torchrl_agent.objectives.clip_loss import AGGREGATIONS
+from torchrl_agent.trainers.batching import micro_batches
 from torchrl_agent.trainers.distributed import (
     clip_grad_norm,
     distributed_loss_scale,
@@ -31,7 +32,6 @@ from torchrl_agent.trainers.distributed import (
     shard_indices,
     shard_model,
 )
-from torchrl_agent.trainers.trainer import micro_batches
 
 PROMPT_LENGTHS = (6, 4, 9, 5, 3)
 RESPONSE_LENGTHS = (3, 7, 2, 5, 4)  # unequal: the two ranks see different token counts

@@ -65,14 +65,14 @@ def worker(out_dir: str, run_dir: str) -> None:
     trainer.train()  # 2 iterations: a weight sync after each update
     # one more batch, sampled after the last weight sync, recomputed split over the ranks
     rows = trainer.collector.collect()
-    old = trainer.recompute(trainer.model, rows)
-    result["share"] = trainer.recomputed_rows
-    trainer.score(rows)
+    old = trainer.scorer.recompute(trainer.model, rows)
+    result["share"] = trainer.scorer.recomputed_rows
+    trainer.scorer.score(rows)
     with torch.no_grad():  # every row on every rank, as a single process would
         full = ResponseLogProbs(trainer.model, trainer.tokenizer.pad_token_id, with_entropy=False)(rows)
     whole = [lp[: int(n)] for lp, n in zip(full["log_prob"], full["mask"].sum(-1))]
     result["split_vs_whole"] = max(float((a - b).abs().max()) for a, b in zip(old, whole) if len(a))
-    result["after_last_sync"] = trainer.logprob_consistency(rows)
+    result["after_last_sync"] = trainer.scorer.logprob_consistency(rows)
     result["owners"] = trainer.collector.owner(rows).tolist()
     result["rows"] = [r.tolist() for r in rows.get(("tokens", "response"), as_list=True)]
     result["traj"] = rows["traj_id"].reshape(-1).tolist()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import secrets
 import signal
 import threading
 import time
@@ -17,6 +19,7 @@ from tensordict import NonTensorStack, TensorDict
 
 from torchrl_agent.modules import ResponseLogProbs, TransformersPolicy
 from torchrl_agent.modules.http_policy import HTTPPolicy, HTTPPolicyError
+from torchrl_agent.trainers.cli import main
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +334,44 @@ def test_eval_interrupted_prints_the_finished_chunks(capsys):
     finally:
         signal.signal(signal.SIGINT, previous)
         srv.close()
+
+
+def _one_line(err: str) -> str:
+    """The program's message: exactly one ``torchrl-agent:`` line and no traceback."""
+    lines = [x for x in err.splitlines() if x.startswith("torchrl-agent")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_an_endpoint_key_is_sent_as_bearer_and_never_written_or_printed(tiny_model, tokenizer, tmp_path, monkeypatch,
+                                                                        capsys, caplog):
+    from openai_server import OpenAIServer
+
+    from torchrl_agent.modules import TransformersPolicy
+
+    key = "sk-test-" + secrets.token_hex(12)
+    monkeypatch.chdir(tmp_path)
+    srv = OpenAIServer(TransformersPolicy(tiny_model, tokenizer, max_new_tokens=4))
+    args = ["eval", "experiment=smoke", "env.eval_episodes=2", "env.max_steps=2", "eval.retries=0", "progress=false"]
+    try:
+        with caplog.at_level(logging.DEBUG):
+            monkeypatch.setenv("OPENAI_API_KEY", key)
+            assert main([*args, f"eval.endpoint={srv.url}"]) == 0
+            assert srv.headers and {h.get("Authorization") for h in srv.headers} == {f"Bearer {key}"}
+            monkeypatch.delenv("OPENAI_API_KEY")
+            monkeypatch.setenv("MY_ENDPOINT_KEY", key + "-2")
+            srv.headers.clear()
+            assert main([*args, f"eval.endpoint={srv.url}", "eval.api_key_env=MY_ENDPOINT_KEY"]) == 0
+            assert {h.get("Authorization") for h in srv.headers} == {f"Bearer {key}-2"}
+            capsys.readouterr()
+            for url in (srv.url.replace("http://", f"http://user:{key}@"), f"'{srv.url}/v1?api_key={key}'"):
+                assert main([*args, f"eval.endpoint={url}"]) == 2  # refused, the key not repeated
+                assert "eval.endpoint carries credentials" in _one_line(capsys.readouterr().err)
+            assert main([*args, f"eval.endpoint={srv.url}/v1?api_key={key}"]) == 2  # unquoted: Hydra's parse error
+            assert "api_key=***" in _one_line(capsys.readouterr().err)  # quotes the override, its key redacted
+    finally:
+        srv.close()
+    out = capsys.readouterr()
+    assert key not in out.out + out.err + caplog.text
+    for path in tmp_path.rglob("*"):
+        assert not path.is_file() or key.encode() not in path.read_bytes(), path

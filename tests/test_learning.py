@@ -285,7 +285,7 @@ def test_kl_reference_is_the_warm_started_policy(tmp_path):
                           "algorithm.kl_coef=0.01", "algorithm.adam_eps=1e-5", "progress=false",
                           f"run_dir={tmp_path}"])
     trainer = Trainer(cfg)
-    assert [g["eps"] for g in trainer.optimizer.param_groups] == [1e-5]
+    assert [g["eps"] for g in trainer.updater.optimizer.param_groups] == [1e-5]
     untrained = {k: v.clone() for k, v in trainer.reference.state_dict().items()}
     trainer.train()
     model, reference = trainer.model.state_dict(), trainer.reference.state_dict()

@@ -278,31 +278,19 @@ def test_recipes_use_the_reference_mode_and_hyper_parameters(recipe):
 
 
 def test_lr_warm_up_is_linear_from_zero():
-    from types import SimpleNamespace
-
-    from torchrl_agent.trainers.trainer import Trainer
+    from torchrl_agent.trainers.update import scheduled_lr
 
     cfg = compose_config(["experiment=search_gigpo", "iterations=20", "algorithm.lr=1e-3"])
-    fake = SimpleNamespace(cfg=cfg, iteration=0)
-    lrs = []
-    for it in range(4):
-        fake.iteration = it
-        lrs.append(Trainer.scheduled_lr(fake))
+    lrs = [scheduled_lr(cfg.algorithm, it, cfg.iterations) for it in range(4)]
     assert lrs == pytest.approx([0.0, 5e-4, 1e-3, 1e-3])  # 10% of 20 iterations = 2 warm-up iterations
 
 
 def test_cosine_lr_decays_from_lr_after_the_warm_up_to_the_floor_at_the_last_iteration():
-    from types import SimpleNamespace
-
-    from torchrl_agent.trainers.trainer import Trainer
+    from torchrl_agent.trainers.update import scheduled_lr
 
     cfg = compose_config(["experiment=search_gigpo", "iterations=12", "algorithm.lr=1e-3",
                           "algorithm.lr_schedule=cosine", "algorithm.min_lr_ratio=0.1"])
-    fake = SimpleNamespace(cfg=cfg, iteration=0)
-    lrs = []
-    for it in range(12):
-        fake.iteration = it
-        lrs.append(Trainer.scheduled_lr(fake))
+    lrs = [scheduled_lr(cfg.algorithm, it, cfg.iterations) for it in range(12)]
     assert lrs[0] == 0.0  # int(10% of 12) = 1 warm-up iteration
     assert lrs[1] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)
     assert lrs[6] == pytest.approx(1e-4 + 0.9e-3 * 0.5 * (1 + math.cos(math.pi * 5 / 10)))  # halfway: 5.5e-4

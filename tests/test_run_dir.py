@@ -42,16 +42,6 @@ def _iterations(run_dir: Path) -> list[int]:
     return [json.loads(x)["iteration"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    """A 3-iteration smoke run with a checkpoint after every iteration (read-only: copy it)."""
-    from torchrl_agent.trainers import Trainer
-
-    run = tmp_path_factory.mktemp("finished") / "run"
-    Trainer(compose_config([*SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}"])).train()
-    return run
-
-
 def _copy(run: Path, to: Path) -> Path:
     shutil.copytree(run, to, copy_function=shutil.copy)  # copied without its timestamps
     return to
@@ -166,7 +156,7 @@ def test_resume_auto_takes_the_newest_checkpoint_by_iteration_and_says_what_it_s
     with caplog.at_level(logging.WARNING, logger="torchrl_agent"):
         trainer = Trainer(compose_config([*SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}",
                                           "resume=auto"]))
-    assert trainer.resume_path == ckpt / "iteration_00001.pt"
+    assert trainer.checkpoints.resume_path == ckpt / "iteration_00001.pt"
     for name, reason in [("iteration_00005.pt", "truncated"), ("iteration_00004.pt", "empty (0 bytes)"),
                          ("iteration_00003.pt", "a text file"), ("iteration_00002.pt", "checksum")]:
         assert any(name in r.getMessage() and reason in r.getMessage() for r in caplog.records), (name, caplog.text)
@@ -289,7 +279,7 @@ def test_run_dir_a_file_and_seed_minus_one_are_one_line(tmp_path, capsys):
 @pytest.fixture
 def small_disk(tmp_path):
     """``make(mb)``: a real filesystem of ``mb`` MB (a tmpfs; mounting needs root, else the test is
-    skipped: tests/test_faults.py causes a failed write with ``ulimit -f`` without privileges)."""
+    skipped: tests/test_checkpointer.py causes a failed write with ``ulimit -f`` without privileges)."""
     mounts = []
 
     def make(mb: int, name: str = "disk") -> Path:
@@ -328,6 +318,7 @@ def test_a_disk_that_fills_keeps_the_run_going_and_a_refused_last_checkpoint_kee
     it (no fixed margin); TensorBoard on a full disk is reported once and the run goes on; with half
     a checkpoint free, the final ``last.pt`` is refused, and the final evaluation and the summary
     still come (exit code 1); freed, ``resume=auto`` continues from the last good one."""
+    from torchrl_agent.trainers.checkpointer import Checkpointer
     from torchrl_agent.trainers.trainer import Trainer
 
     disk, tb_disk = small_disk(32), small_disk(1, "tb_disk")
@@ -335,18 +326,18 @@ def test_a_disk_that_fills_keeps_the_run_going_and_a_refused_last_checkpoint_kee
     run.mkdir()
     _fill(tb_disk)
     (run / "tensorboard").symlink_to(tb_disk)  # TensorBoard writes to a full disk from the start
-    original = Trainer.save_checkpoint
+    original = Checkpointer.save
     ballast = []
 
-    def fill_after_the_first(self, path=None):
-        if self.iteration >= 1:  # the first checkpoint is written: now the disk fills
+    def fill_after_the_first(self, iteration, path=None):
+        if iteration >= 1:  # the first checkpoint is written: now the disk fills
             size = (disk / "run" / "checkpoints" / "iteration_00000.pt").stat().st_size
             for old in ballast:
                 old.unlink()
             ballast[:] = [_fill(disk, leave=size // 2 if path is not None else size * 3 // 2)]
-        return original(self, path)
+        return original(self, iteration, path)
 
-    monkeypatch.setattr(Trainer, "save_checkpoint", fill_after_the_first)
+    monkeypatch.setattr(Checkpointer, "save", fill_after_the_first)
     with caplog.at_level(logging.ERROR, logger="torchrl_agent"):
         code = main(["train", *SMALL, "checkpoint_every=1", f"run_dir={run}"])
     out, err = capsys.readouterr()
@@ -372,19 +363,19 @@ def test_a_disk_that_fills_completely_ends_the_run_in_one_line_and_resume_repair
     a checkpoint, a metrics line once the file's last page is full) the run ends in one line with
     exit code 1; if it stopped early, the log's "metrics through iteration N" is what the file
     holds. Freed, ``resume=auto`` continues from the first checkpoint, the metrics repaired."""
-    from torchrl_agent.trainers.trainer import Trainer
+    from torchrl_agent.trainers.checkpointer import Checkpointer
 
     disk = small_disk(32)
     run = disk / "run"
-    original = Trainer._periodic_checkpoint
+    original = Checkpointer.periodic
     ballast = []
 
-    def fill_after(self):
-        original(self)
+    def fill_after(self, iteration):
+        original(self, iteration)
         if not ballast:
             ballast.append(_fill(disk))
 
-    monkeypatch.setattr(Trainer, "_periodic_checkpoint", fill_after)
+    monkeypatch.setattr(Checkpointer, "periodic", fill_after)
     args = [*SMALL, "iterations=3", "checkpoint_every=1", f"run_dir={run}"]
     with caplog.at_level(logging.ERROR, logger="torchrl_agent"):
         code = main(["train", *args])

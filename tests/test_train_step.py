@@ -144,7 +144,7 @@ def test_accumulated_gradient_equals_the_whole_minibatch_gradient(trainer_and_ro
 
     def one_step(budget):
         trainer.model.load_state_dict(initial)
-        trainer.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
+        trainer.updater.optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
         trainer.cfg.algorithm.micro_batch_tokens = budget
         metrics = trainer.update(rows)  # one mini-batch: the gradients stay in .grad (no clip)
         return metrics, {k: p.grad.clone() for k, p in trainer.model.named_parameters()}
@@ -153,7 +153,7 @@ def test_accumulated_gradient_equals_the_whole_minibatch_gradient(trainer_and_ro
     split, split_grad = one_step(1)  # every row alone
     lengths = [len(p) + len(r) for p, r in zip(rows.get(("tokens", "prompt"), as_list=True),
                                                rows.get(("tokens", "response"), as_list=True))]
-    assert len(trainer.micro_batches(rows, list(range(len(lengths))), True)) == len(lengths)
+    assert len(trainer.updater.micro_batches(rows, list(range(len(lengths))), True)) == len(lengths)
     for name, g in whole_grad.items():
         torch.testing.assert_close(split_grad[name], g, atol=1e-6, rtol=1e-4, msg=name)
     for key in ("loss", "loss_objective", "loss_kl", "loss_entropy", "grad_norm"):
@@ -161,7 +161,7 @@ def test_accumulated_gradient_equals_the_whole_minibatch_gradient(trainer_and_ro
 
 
 def test_token_budget_batches_respect_the_budget():
-    from torchrl_agent.trainers.trainer import token_budget_batches
+    from torchrl_agent.trainers.batching import token_budget_batches
 
     lengths = [5, 40, 7, 12, 3, 40, 9]
     batches = token_budget_batches(list(range(7)), lengths, 30)
@@ -215,12 +215,12 @@ def test_bf16_loss_equals_the_fp32_loss_within_bf16_tolerance(tmp_path):
     rows = trainer.advantage(trainer.collector.collect())
     rows["advantage"] = torch.linspace(-1.5, 2.0, rows.batch_size[0]).reshape(rows["advantage"].shape)
     idx = list(range(rows.batch_size[0]))
-    trainer.autocast_enabled = False
-    trainer.score(rows)
-    fp32 = trainer.loss_inputs(rows, idx)
+    trainer.scorer.autocast_enabled = False
+    trainer.scorer.score(rows)
+    fp32 = trainer.scorer.loss_inputs(rows, idx)
     fp32_loss = trainer.loss(fp32)
-    trainer.autocast_enabled = True
-    bf16 = trainer.loss_inputs(rows, idx)
+    trainer.scorer.autocast_enabled = True
+    bf16 = trainer.scorer.loss_inputs(rows, idx)
     bf16_loss = trainer.loss(bf16)
     mask = fp32["mask"]
     diff = (bf16["log_prob"] - fp32["log_prob"])[mask].abs()
@@ -272,7 +272,7 @@ def test_non_finite_gradient_skips_the_step_and_repeated_skips_stop_the_run(tmp_
         metrics = trainer.update(poisoned)
     assert metrics["skipped_steps"] == 1 and "optimizer step skipped" in caplog.text
     assert all(p.grad is None for p in trainer.model.parameters())  # zeroed
-    assert not trainer.optimizer.state  # AdamW never stepped
+    assert not trainer.updater.optimizer.state  # AdamW never stepped
     for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     saved = torch.load(trainer.save_checkpoint(), weights_only=False)
@@ -280,7 +280,7 @@ def test_non_finite_gradient_skips_the_step_and_repeated_skips_stop_the_run(tmp_
 
     trainer.update(poisoned)  # 2 in a row
     metrics = trainer.update(rows)  # a finite step resets the count
-    assert metrics["skipped_steps"] == 0 and trainer.consecutive_skips == 0
+    assert metrics["skipped_steps"] == 0 and trainer.updater.consecutive_skips == 0
     assert any(not torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items())
     trained = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.update(poisoned)
@@ -321,7 +321,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert metrics["approx_kl_max"] > 0.05  # unbounded, the update goes past the budget used below
     bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.max_kl=0.01"]))
     before = {k: v.clone() for k, v in bounded.model.state_dict().items()}
-    scored = bounded.score(rows.clone())  # the sampling policy's log-probs (same weights as `free`'s start)
+    scored = bounded.scorer.score(rows.clone())  # the sampling policy's log-probs (same weights as `free`'s start)
     metrics = bounded.update(rows.clone())
     assert metrics["kl_step_halvings"] >= 1  # the first step alone was over the budget: halved
     assert metrics["approx_kl_max"] <= 0.01
@@ -329,7 +329,7 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     moved = any(not torch.equal(v, before[k]) for k, v in bounded.model.state_dict().items())
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
-    assert bounded.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
+    assert bounded.updater.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
 
 
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
@@ -339,10 +339,10 @@ def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
     the actor's output moved to the ``meta`` device stands for one."""
     trainer, rows = trainer_and_rows
     idx = list(range(rows.batch_size[0]))
-    trainer.score(rows)
-    actor = trainer.actor
-    monkeypatch.setattr(trainer, "actor", lambda td: actor(td).detach().to("meta"))
-    batch = trainer.loss_inputs(rows, idx)
+    trainer.scorer.score(rows)
+    actor = trainer.scorer.actor
+    monkeypatch.setattr(trainer.scorer, "actor", lambda td: actor(td).detach().to("meta"))
+    batch = trainer.scorer.loss_inputs(rows, idx)
     assert rows["old_log_prob"].device.type == "cpu" and "ref_log_prob" in rows.keys()
     for key in ("log_prob", "mask", "old_log_prob", "ref_log_prob", "advantage"):
         assert batch[key].device.type == "meta", key

@@ -68,11 +68,13 @@ def test_unknown_names_fail_at_start(tmp_path, capsys):
 
 
 def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
+    """With a warm start and a KL term: the reference (the warm-started policy, not the loaded
+    model) comes back from the checkpoint too."""
     import torch
 
     from torchrl_agent.trainers import Trainer
 
-    base = [*SMALL, "eval_every=0", "env.eval_episodes=2", "algorithm.lr=1e-3"]
+    base = [*SMALL, "eval_every=0", "env.eval_episodes=2", "algorithm.lr=1e-3", "algorithm.kl_coef=0.05"]
     straight = Trainer(compose_config([*base, "iterations=2", f"run_dir={tmp_path / 'a'}"]))
     straight.train()
     first = Trainer(compose_config([*base, "iterations=1", f"run_dir={tmp_path / 'b'}"]))
@@ -84,8 +86,10 @@ def test_resumed_run_continues_exactly_like_the_uninterrupted_one(tmp_path):
     a = [h for h in straight.history if h["iteration"] == 1 and "loss" in h][0]
     c = [h for h in resumed.history if h["iteration"] == 1 and "loss" in h][0]
     assert a["episode_reward"] == c["episode_reward"] and a["loss"] == c["loss"]
-    for (name, x), y in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
-        assert torch.equal(x, y), name
+    assert a["kl_ref"] == c["kl_ref"] > 0
+    for part in ("model", "reference"):
+        for (name, x), y in zip(getattr(straight, part).state_dict().items(), getattr(resumed, part).state_dict().values()):
+            assert torch.equal(x, y), (part, name)
 
 
 def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
@@ -141,8 +145,8 @@ def test_lora_trains_only_adapters_and_uses_the_base_model_as_reference(tmp_path
             assert torch.equal(p, frozen[name]), name
     # after the update the adapters moved the policy away from the base model (the reference)
     with trainer.model.disable_adapter():
-        base = trainer.recompute(trainer.model, rows[:4])
-    tuned = trainer.recompute(trainer.model, rows[:4])
+        base = trainer.scorer.recompute(trainer.model, rows[:4])
+    tuned = trainer.scorer.recompute(trainer.model, rows[:4])
     assert any(not torch.allclose(a, b) for a, b in zip(base, tuned))
 
 
@@ -183,14 +187,12 @@ def test_a_fall_by_more_than_half_in_one_iteration_is_warned_in_one_line(tmp_pat
                       {"iteration": 4, "success": 0.0, "action_valid": 0.3}) is None  # a small fall; success under the floor
     assert sharp_fall(None, {"iteration": 0, "success": 0.0}) is None
 
-    from types import SimpleNamespace
+    from torchrl_agent.trainers.loggers import MetricsLog
 
-    from torchrl_agent.trainers import Trainer
-
-    trainer = SimpleNamespace(history=[], nonfinite_metrics=0)  # what Trainer._log reads of a trainer
-    with open(tmp_path / "m.jsonl", "w") as f, caplog.at_level(logging.WARNING, logger="torchrl_agent"):
-        Trainer._log(trainer, dict(before), None, f)
-        Trainer._log(trainer, {"iteration": 4, "success": 0.7, "action_valid": 0.2}, None, f)
+    log = MetricsLog(None, tmp_path)
+    with open(tmp_path / "m.jsonl", "w") as log.file, caplog.at_level(logging.WARNING, logger="torchrl_agent"):
+        log.log(dict(before))
+        log.log({"iteration": 4, "success": 0.7, "action_valid": 0.2})
     falls = [r.getMessage() for r in caplog.records if "after one update" in r.getMessage()]
     assert falls == ["iteration 4: action_valid 0.98 -> 0.20 after one update (that update's largest approx_kl: "
                      "1.24): the policy may have left its answer format; algorithm.max_kl bounds how far one "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
+import shutil
 
 import llvmlite.binding  # noqa: F401 - numba's llvmlite in sys.modules used to crash the in-process engine start
 import pytest
@@ -216,3 +218,43 @@ def test_bad_arguments(policy, tmp_path):
         policy.generate("not a list")
     with pytest.raises(ValueError, match="seed"):
         policy.set_seed("1")
+
+
+_GLOO_PROBE = """
+import json, tempfile
+import psutil, torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.all_reduce(torch.ones(1))
+group = dist.new_group([0])  # as vLLM's world and CPU groups
+print(json.dumps(sorted({c.laddr.ip for c in psutil.Process().net_connections("inet") if c.status == "LISTEN"})))
+"""
+
+
+def test_a_single_node_engine_listens_on_loopback_whatever_the_host_name_resolves_to():
+    """The engine's torch.distributed (gloo) sockets: with the host name set to this machine's
+    network address (a UTS namespace), gloo alone listens there; after :func:`bind_loopback` (what
+    every single-node vLLM engine runs, the multi-process collector's engine server included) only on
+    loopback."""
+    import subprocess
+    import sys
+
+    psutil = pytest.importorskip("psutil")
+    address = next((a.address for name, addrs in psutil.net_if_addrs().items() if name not in ("lo", "lo0")
+                    for a in addrs if a.family == 2 and not a.address.startswith("127.")), None)
+    if (address is None or shutil.which("unshare") is None
+            or subprocess.run(["unshare", "--uts", "true"], capture_output=True).returncode != 0):
+        pytest.skip("needs a network interface and unshare --uts (root)")
+    from torchrl_agent.modules.vllm_policy import bind_loopback
+
+    plain = {k: v for k, v in os.environ.items() if k not in ("GLOO_SOCKET_IFNAME", "VLLM_HOST_IP", "VLLM_LOOPBACK_IP")}
+    bound = dict(plain)
+    assert bind_loopback(bound) == {"VLLM_HOST_IP": "127.0.0.1", "VLLM_LOOPBACK_IP": "127.0.0.1",
+                                    "GLOO_SOCKET_IFNAME": "lo"}
+    seen = {}
+    for mode, env in (("plain", plain), ("bind", bound)):
+        out = subprocess.run(["unshare", "--uts", "sh", "-c", f'hostname {address} && exec "$@"', "sh",
+                              sys.executable, "-c", _GLOO_PROBE], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[mode] = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    assert address in seen["plain"]  # by host-name resolution: the network address
+    assert seen["bind"] and seen["bind"] <= {"127.0.0.1", "::1"}, seen

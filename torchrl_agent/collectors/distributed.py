@@ -23,10 +23,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDictBase, lazy_stack
+from tensordict import TensorDictBase
 from torchrl.collectors import BaseCollector
 
-from torchrl_agent.collectors.shards import CollectorShard, split_groups, unpack_rows
+from torchrl_agent.collectors.shards import CollectorShard, merge_shard_batches, split_groups
 from torchrl_agent.collectors.step_collector import StepCollector, _BatchStats
 from torchrl_agent.modules.policy import LLMPolicy
 
@@ -113,19 +113,9 @@ class DistributedStepCollector(BaseCollector):
         else:
             everyone = [mine]
         shards = [s for s in everyone if s is not None]
-        rows = [row for p, _ in shards for row in unpack_rows(p)]
-        rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
-        self.batches += 1
-        self._frames += len(rows)
-        elapsed = time.perf_counter() - t0
-        summed = {key: sum(s[key] for _, s in shards)
-                  for key in ("env_steps", "generated_tokens", "generation_slots", "prompt_budget_truncations")}
-        slowest = max(s["collect_time_s"] for _, s in shards)
-        self.stats = _BatchStats(self, {**summed, "collect_time_s": elapsed,
-                                        "env_steps_per_s": summed["env_steps"] / elapsed,
-                                        "tokens_per_s": summed["generated_tokens"] / slowest,
-                                        "shard_collect_time_s": [s["collect_time_s"] for _, s in shards]})
-        return lazy_stack(rows)
+        summed = ("env_steps", "generated_tokens", "generation_slots", "prompt_budget_truncations")
+        # tokens per second over the slowest rank's collection (the ranks collect at the same time; the gather left out)
+        return merge_shard_batches(self, shards, t0, summed, max(s["collect_time_s"] for _, s in shards))
 
     # ------------------------------------------------------------------ TorchRL collector API
     iterator = StepCollector.iterator

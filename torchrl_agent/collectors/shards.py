@@ -42,8 +42,8 @@ from torchrl.envs import EnvBase
 from torchrl_agent.collectors.step_collector import ShardLayout, StepCollector, _BatchStats
 from torchrl_agent.modules.policy import LLMPolicy
 
-__all__ = ["CollectorShard", "ConfigEnvFactory", "ShardedCollector", "TextEnvFactory", "pack_rows", "split_groups",
-           "unpack_rows"]
+__all__ = ["CollectorShard", "ConfigEnvFactory", "ShardedCollector", "TextEnvFactory", "merge_shard_batches",
+           "pack_rows", "split_groups", "unpack_rows"]
 
 
 def split_groups(num_groups: int, num_shards: int) -> list[tuple[int, int]]:
@@ -95,6 +95,26 @@ def unpack_rows(packed: dict) -> list[TensorDictBase]:
         for row, piece, shape in zip(rows, flat.split([math.prod(s) for s in shapes]), shapes):
             row.set(key, piece.view(shape))
     return rows
+
+
+def merge_shard_batches(collector, shards: list[tuple[dict, dict]], t0: float, summed: tuple[str, ...],
+                        generation_s: float | None = None) -> TensorDictBase:
+    """One batch of a collector made of shards: the rows of the shards' batches ``(packed rows,
+    figures)``, as rows ``[N]`` in the single-process order (by step, then trajectory). Counts the
+    batch and its frames on ``collector`` and sets its ``stats``: the ``summed`` figures added over
+    the shards, the seconds since ``t0`` (``collect_time_s``), env steps per second over them, and
+    generated tokens per second over ``generation_s`` (default: the same seconds)."""
+    rows = [row for packed, _ in shards for row in unpack_rows(packed)]
+    rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
+    collector.batches += 1
+    collector._frames += len(rows)
+    elapsed = time.perf_counter() - t0
+    figures = {key: sum(stats[key] for _, stats in shards) for key in summed}
+    collector.stats = _BatchStats(collector, {
+        "collect_time_s": elapsed, **figures, "env_steps_per_s": figures["env_steps"] / elapsed,
+        "tokens_per_s": figures["generated_tokens"] / (elapsed if generation_s is None else generation_s),
+        "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
+    return lazy_stack(rows)
 
 
 class CollectorShard:
@@ -215,18 +235,7 @@ class ShardedCollector(BaseCollector):
         batch = self.batches
         self._grant(batch)
         shards = self._gather(batch)
-        rows = [row for packed, _ in shards for row in unpack_rows(packed)]
-        rows.sort(key=lambda r: (int(r["step_count"]), int(r["traj_id"])))  # the single-process order
-        self.batches += 1
-        self._frames += len(rows)
-        elapsed = time.perf_counter() - t0
-        figures = {key: sum(stats[key] for _, stats in shards)
-                   for key in ("env_steps", "generated_tokens", "generation_slots")}
-        self.stats = _BatchStats(self, {"collect_time_s": elapsed, **figures,
-                                        "env_steps_per_s": figures["env_steps"] / elapsed,
-                                        "tokens_per_s": figures["generated_tokens"] / elapsed,
-                                        "shard_collect_time_s": [stats["collect_time_s"] for _, stats in shards]})
-        return lazy_stack(rows)
+        return merge_shard_batches(self, shards, t0, ("env_steps", "generated_tokens", "generation_slots"))
 
     # the same loop and budget as the single-process collector's
     iterator = StepCollector.iterator

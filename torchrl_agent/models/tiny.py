@@ -18,7 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["TINY_CONFIG", "TINY_SIZES", "build_tiny_model", "cache_dir", "save_model_folder", "tiny_corpus"]
+__all__ = ["TINY_CONFIG", "TINY_SIZES", "build_tiny_model", "cache_dir", "save_model_folder", "seeded_model",
+           "tiny_corpus"]
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -192,8 +193,7 @@ def build_tiny_model(seed: int = 0, *, force: bool = False, size: str = "tiny") 
         return folder
     writable_cache(folder.parent)  # before the tokenizer is trained: one line naming the setting
 
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = _train_tokenizer(corpus, split_cells=size != "tiny")
     config = Qwen2Config(
@@ -203,14 +203,23 @@ def build_tiny_model(seed: int = 0, *, force: bool = False, size: str = "tiny") 
         pad_token_id=tokenizer.pad_token_id,
         **TINY_SIZES[size],
     )
+    return save_model_folder(seeded_model(Qwen2ForCausalLM, config, tokenizer, seed), tokenizer, folder)
+
+
+def seeded_model(model_class, config, tokenizer, seed: int):
+    """``model_class(config)`` initialised from ``seed`` (the global RNG left as it was), sampling by
+    default: temperature 1, no top-k / top-p, stopping at ``tokenizer``'s end of sequence."""
+    import torch
+    from transformers import GenerationConfig
+
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = model_class(config)
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True,
         temperature=1.0, top_k=0, top_p=1.0,
     )
-    return save_model_folder(model, tokenizer, folder)
+    return model
 
 
 def save_model_folder(model, tokenizer, folder: Path) -> Path:

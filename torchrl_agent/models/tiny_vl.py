@@ -35,7 +35,14 @@ import json
 import math
 from pathlib import Path
 
-from torchrl_agent.models.tiny import VOCAB_SIZE, _train_tokenizer, cache_dir, save_model_folder, tiny_corpus
+from torchrl_agent.models.tiny import (
+    VOCAB_SIZE,
+    _train_tokenizer,
+    cache_dir,
+    save_model_folder,
+    seeded_model,
+    tiny_corpus,
+)
 
 __all__ = ["TINY_VL_TEXT", "TINY_VL_VISION", "VISION_TOKENS", "image_only_processor", "build_tiny_vl", "load_processor",
            "load_tiny_vl", "process_image"]
@@ -136,8 +143,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
     if folder.is_dir() and (folder / "model.safetensors").exists() and not force:
         return folder
 
-    import torch
-    from transformers import GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = _train_tokenizer(corpus)
@@ -154,13 +160,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, do_sample=True,
-        temperature=1.0, top_k=0, top_p=1.0,
-    )
+    model = seeded_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed)
     return save_model_folder(model, processor, folder)
 
 

@@ -1,4 +1,5 @@
-"""Rows into batches: token-budget micro-batches, ragged-to-padded tensors, row lengths.
+"""Rows into batches: the rows a loss may use (faulted episodes left out), token-budget
+micro-batches, ragged-to-padded tensors, row lengths.
 
 A *row* is one env step: ragged ``("tokens", "prompt")`` and ``("tokens", "response")``. A
 mini-batch (one optimizer step) runs as micro-batches of at most ``algorithm.micro_batch_tokens``
@@ -13,8 +14,33 @@ from tensordict import TensorDictBase
 
 from torchrl_agent.trainers.distributed import accumulation_weights, loss_units
 
-__all__ = ["fit_width", "micro_batches", "minibatch_advantage", "pad_ragged", "response_mask", "row_lengths",
+__all__ = ["drop_faulted", "fit_width", "micro_batches", "minibatch_advantage", "pad_ragged", "response_mask", "row_lengths",
            "token_budget_batches"]
+
+
+def drop_faulted(rows: TensorDictBase) -> tuple[TensorDictBase | None, dict[str, int]]:
+    """Leaves the episodes cut short by a fault (``worker_fault`` / ``env_fault``) out of the
+    advantage groups and the loss: their rows are removed, a group that lost episodes is normalised
+    over the rest, or dropped when fewer than 2 remain. Returns the rows (``None`` when none are
+    left) and the counts ``env_faults``, ``fault_rows_dropped`` and ``fault_groups_dropped``."""
+    traj, group = rows["traj_id"].reshape(-1), rows["group_id"].reshape(-1)
+    fault = torch.zeros_like(traj, dtype=torch.bool)
+    for key in ("worker_fault", "env_fault"):
+        if key in rows.keys():
+            fault |= rows[key].reshape(-1).bool()
+    bad_traj = traj[fault].unique()
+    keep = ~torch.isin(traj, bad_traj)
+    pairs = torch.unique(torch.stack([group[keep], traj[keep]]), dim=1)
+    groups, members = pairs[0].unique(return_counts=True)
+    hurt = group[~keep].unique()  # groups that lost episodes; how many each has left (0: all faulted)
+    left = torch.stack([members[groups == g].sum() for g in hurt]) if hurt.numel() else hurt
+    dropped_groups = hurt[left < 2]
+    keep &= ~torch.isin(group, dropped_groups)
+    counts = {"env_faults": int(bad_traj.numel()), "fault_rows_dropped": int((~keep).sum()),
+              "fault_groups_dropped": int(dropped_groups.numel())}
+    if not keep.any():
+        return None, counts
+    return (rows if bool(keep.all()) else rows[keep.nonzero().reshape(-1)]), counts
 
 
 def token_budget_batches(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:

@@ -327,17 +327,18 @@ def _local(value):
 
 
 def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, *,
-                 kept: str = "") -> dict:
+                 kept: str = "", reference: torch.nn.Module | None = None) -> dict:
     """Every rank (under torchrun) writes its shards of ``model``'s weights and ``optimizer``'s state
+    (and of ``reference``'s weights when given: the KL reference, when it is not the loaded model)
     into ``NAME.shards`` beside checkpoint ``path`` with ``torch.distributed.checkpoint`` (nothing
     is gathered: each rank writes what it holds, in parallel); returns, on every rank, the
-    checkpoint's ``"shards"`` entry: the folder's name, each file's SHA-256 and the model's full
-    shapes. Written to ``NAME.shards.tmp``, fsync-ed, renamed; ``NAME.pt`` (rank 0,
+    checkpoint's ``"shards"`` entry: the folder's name, each file's SHA-256, the model's full
+    shapes and whether the reference is in it. Written to ``NAME.shards.tmp``, fsync-ed, renamed; ``NAME.pt`` (rank 0,
     :func:`write_checkpoint`) comes after. Raises :class:`CheckpointError` on every rank, the
     previous checkpoint intact, for NaN/inf weights or a failed write."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     from torchrl_agent.trainers.distributed import all_gather_object, barrier, get_rank, is_main_process
 
@@ -345,6 +346,9 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     final = shards_dir(path)
     tmp = final.with_name(final.name + ".tmp")
     model_state, optimizer_state = get_state_dict(model, optimizer)  # this rank's shards (DTensors), no copy
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+    if reference is not None:
+        tensors["reference"] = get_model_state_dict(reference)
     bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
            and not torch.isfinite(_local(v)).all()]
     bad = sorted({k for part in all_gather_object(bad) for k in part})
@@ -357,8 +361,7 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
         tmp.mkdir(parents=True)
     barrier()
     try:  # DCP gathers the ranks' write errors: every rank raises
-        dcp.save({"model": model_state, "optimizer": optimizer_state},
-                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
         mine = {p.name: _sha256_file(p) for p in tmp.glob(f"__{get_rank()}_*")}
         if is_main_process():
             mine[".metadata"] = _sha256_file(tmp / ".metadata")
@@ -390,7 +393,7 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
         fsync_path(final.parent)
     barrier()
     shapes = {k: list(v.shape) for k, v in model_state.items() if torch.is_tensor(v)}
-    return {"dir": final.name, "files": files, "model_shapes": shapes}
+    return {"dir": final.name, "files": files, "model_shapes": shapes, "reference": reference is not None}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -457,19 +460,31 @@ def _single_process_quiet():
         yield
 
 
-def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, shards: dict) -> None:
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, shards: dict,
+                reference: torch.nn.Module | None = None) -> None:
     """Every rank (or a single process): the weights and optimizer state of sharded checkpoint
     ``path`` (its ``"shards"`` entry, verified by :func:`read_checkpoint`) into ``model`` and
-    ``optimizer``, resharded to this world size by DCP (each rank reads the parts it holds)."""
+    ``optimizer`` (and its KL reference into ``reference``, when given and the checkpoint holds one),
+    resharded to this world size by DCP (each rank reads the parts it holds)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     model_state, optimizer_state = get_state_dict(model, optimizer)  # the tensors DCP loads into, in place
     state = {"model": model_state, "optimizer": optimizer_state}
+    with_reference = reference is not None and shards.get("reference", False)
+    if with_reference:
+        state["reference"] = get_model_state_dict(reference)
     with _single_process_quiet():
         dcp.load(state, storage_reader=_reader(Path(path).parent / shards["dir"]),
                  no_dist=not torch.distributed.is_initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    if with_reference:
+        set_model_state_dict(reference, state["reference"])
 
 
 def read_weights(path: str | Path, state: dict | None = None) -> dict[str, torch.Tensor]:
@@ -501,15 +516,17 @@ def model_shapes(state: dict) -> dict[str, list[int]]:
 
 
 def save_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, *,
-                 kept: str = "") -> dict:
-    """Every rank: the entries of checkpoint ``path`` that hold the weights and the optimizer state.
-    Under torchrun ``{"shards": ...}``: each rank has written its own shards (:func:`write_shards`),
-    nothing is gathered. In a single process ``{"model", "optimizer"}``: the full state, for
-    :func:`write_checkpoint`'s one file. Raises :class:`CheckpointError` for NaN/inf weights."""
+                 kept: str = "", reference: torch.nn.Module | None = None) -> dict:
+    """Every rank: the entries of checkpoint ``path`` that hold the weights and the optimizer state,
+    and ``reference``'s weights when given (the KL reference, when it is not the model that
+    ``model.name`` loads: the warm-started policy). Under torchrun ``{"shards": ...}``: each rank has
+    written its own shards (:func:`write_shards`), nothing is gathered. In a single process
+    ``{"model", "optimizer"[, "reference"]}``: the full state, for :func:`write_checkpoint`'s one
+    file. Raises :class:`CheckpointError` for NaN/inf weights."""
     from torchrl_agent.trainers.distributed import full_optimizer_state_dict, full_state_dict, is_distributed
 
     if is_distributed():
-        return {"shards": write_shards(model, optimizer, path, kept=kept)}
+        return {"shards": write_shards(model, optimizer, path, kept=kept, reference=reference)}
     model_state = full_state_dict(model)
     bad = [k for k, v in model_state.items() if torch.is_tensor(v) and v.is_floating_point()
            and not torch.isfinite(v).all()]
@@ -517,14 +534,19 @@ def save_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
         raise CheckpointError(f"not writing {path}: {len(bad)} weight tensors hold NaN/inf (first: {bad[0]}); the "
                               f"training diverged (lower algorithm.lr, kl_coef or entropy_coef)"
                               + (f"; {kept}" if kept else ""))
-    return {"model": model_state, "optimizer": full_optimizer_state_dict(model, optimizer)}
+    weights = {"model": model_state, "optimizer": full_optimizer_state_dict(model, optimizer)}
+    if reference is not None:
+        weights["reference"] = full_state_dict(reference)
+    return weights
 
 
-def load_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, state: dict) -> None:
+def load_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, state: dict,
+                 reference: torch.nn.Module | None = None) -> bool:
     """Every rank: the weights and optimizer state of checkpoint ``path`` (``state``: its verified
     state on rank 0, ``{}`` on the others) into ``model`` and ``optimizer``, whatever the number of
     ranks it was written on: shards through DCP (:func:`load_shards`), a one-file checkpoint
-    broadcast from rank 0."""
+    broadcast from rank 0. With ``reference``: the checkpoint's KL reference into it, when it holds
+    one. Returns whether it did (on every rank)."""
     from torchrl_agent.trainers.distributed import (
         broadcast_object,
         is_distributed,
@@ -533,13 +555,17 @@ def load_weights(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     )
 
     shards = state.get("shards")
+    has_reference = "reference" in state or bool(shards and shards.get("reference"))
     if is_distributed():
-        shards = broadcast_object(shards)
+        shards, has_reference = broadcast_object((shards, has_reference))
     if shards is not None:
-        load_shards(model, optimizer, path, shards)
-        return
+        load_shards(model, optimizer, path, shards, reference)
+        return reference is not None and has_reference
     load_full_state_dict(model, state.get("model", {}))
     load_full_optimizer_state_dict(model, optimizer, state.get("optimizer", {}))
+    if reference is not None and has_reference:
+        load_full_state_dict(reference, state.get("reference", {}))
+    return reference is not None and has_reference
 
 
 def remove_unfinished(folder: str | Path) -> list[Path]:

@@ -12,7 +12,7 @@ The pieces, in the order a trainer uses them::
     rows = broadcast_object(rows)                     # every rank holds the same rows
     for idx in minibatches:                           # the same order on every rank
         local, active = shard_indices(idx, rank, world)    # this rank's rows of the mini-batch
-        micro = token-budget parts of `local`         # see Trainer.micro_batches
+        micro = token-budget parts of `local`         # see batching.micro_batches
         weights, count = accumulation_weights([loss_units(lengths(m), aggregation) for m in micro])
         for part, weight in zip(micro, weights):      # (ranks with fewer parts run weightless ones)
             losses = loss_module(batch of rows[part])  # mask &= active

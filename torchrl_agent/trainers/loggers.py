@@ -1,15 +1,25 @@
 """Where a run's metrics go: ``metrics.jsonl`` (strict JSON, one line per iteration), TensorBoard,
-Weights & Biases, the console line, and the learning-curve plot (``learning_curve.png``)."""
+Weights & Biases, the console line, and the learning-curve plot (``learning_curve.png``);
+:class:`MetricsLog` holds a run's records and writes them there."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 from pathlib import Path
 
-__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "console_line", "finite_record", "init_wandb", "plot_learning_curve",
+from torchrl_agent.trainers.run_dir import (
+    GuardedSink,
+    RunInterrupted,
+    metrics_iterations,
+    open_metrics,
+    open_tensorboard,
+)
+
+__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "MetricsLog", "console_line", "finite_record", "init_wandb", "plot_learning_curve",
            "sharp_fall", "write_record"]
 
 logger = logging.getLogger("torchrl_agent")
@@ -101,3 +111,95 @@ def plot_learning_curve(history: list[dict], evals: list[tuple[int, float]], pat
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+class MetricsLog:
+    """A run's metrics: every iteration's record and every held-out success, written on rank 0 to
+    ``RUN_DIR/metrics.jsonl`` (the run's record), TensorBoard and W&B (views of it) and the console.
+
+    Args:
+        cfg: the run's :class:`~torchrl_agent.trainers.config.TrainConfig` (W&B's settings).
+        run_dir: the run directory.
+
+    Attributes:
+        history: the records logged (:meth:`log`), one per iteration, as written.
+        evals: ``(iteration, held-out success)`` of every evaluation (``-1``: the untrained policy,
+            before a warm start; ``cfg.iterations``: the final one).
+        nonfinite_metrics: metric values written as null so far.
+        file, writer, wandb: ``metrics.jsonl`` opened for appending, TensorBoard's writer and the
+            W&B run (``None`` until opened, and on ranks other than 0).
+    """
+
+    def __init__(self, cfg, run_dir: Path) -> None:
+        self.cfg, self.run_dir = cfg, run_dir
+        self.history: list[dict] = []
+        self.evals: list[tuple[int, float]] = []
+        self.nonfinite_metrics = 0
+        self.file = self.writer = self.wandb = None
+
+    def open_views(self) -> None:
+        """TensorBoard and W&B: views of ``metrics.jsonl``, their write errors logged once, never fatal."""
+        self.writer = open_tensorboard(self.run_dir / "tensorboard")
+        wandb = init_wandb(self.cfg, self.run_dir)
+        self.wandb = None if wandb is None else GuardedSink("W&B", wandb)
+
+    def open(self, keep_through: int) -> None:
+        """``metrics.jsonl`` for appending, holding exactly the records of the checkpoint resumed from
+        (iterations ``<= keep_through``; none for a new run), so a resumed run repeats and skips none."""
+        self.file = open_metrics(self.run_dir, [h for h in self.history if h["iteration"] <= keep_through])
+
+    def log(self, record: dict) -> None:
+        """One iteration's metrics: kept in :attr:`history`, written (:func:`write_record`), shown on the console."""
+        record, bad = finite_record(record)
+        if bad:  # strict JSON: NaN/inf are written as null, counted and warned about
+            self.nonfinite_metrics += len(bad)
+            record["nonfinite_metrics"] = len(bad)
+            logger.warning("iteration %d: non-finite metrics written as null: %s", record["iteration"], bad)
+        fall = sharp_fall(next((h for h in reversed(self.history) if "success" in h), None), record)
+        if fall:
+            logger.warning("%s", fall)
+        self.history.append(record)
+        write_record(record, self.file, self.writer, self.wandb)
+        print(console_line(record), flush=True)
+
+    def log_final(self, record: dict) -> None:
+        """The final evaluation's record (its ``iteration``: the number of iterations), logged; then
+        TensorBoard's writer and ``metrics.jsonl`` closed."""
+        self.evals.append((record["iteration"], record["eval_success"]))
+        self.log(record)
+        if self.writer is not None:
+            self.writer.close()
+        self.file.close()
+
+    def stopped(self, err: Exception, iteration: int, last_checkpoint: Path | None) -> None:
+        """A run stopped by ``err`` after ``iteration``: ``metrics.jsonl`` closed; unless ``err`` is a
+        signal's :class:`~torchrl_agent.trainers.run_dir.RunInterrupted` (whose message says it), one
+        line names the iterations the file holds and the last good checkpoint."""
+        if isinstance(err, RunInterrupted):
+            self.file.close()
+            return
+        logger.error("the run stopped at iteration %d (%s: %s); metrics through iteration %s are in %s; "
+                     "last good checkpoint: %s", iteration, type(err).__name__, err,
+                     max(metrics_iterations(self.run_dir), default="none"), self.run_dir / "metrics.jsonl",
+                     last_checkpoint or "none (set checkpoint_every)")
+        with contextlib.suppress(OSError):  # a full disk: the buffered line cannot be flushed either
+            self.file.close()
+
+    def summary(self) -> dict:
+        """The held-out successes (first, last, after the warm start, the curve) and the last training success."""
+        evals = self.evals
+        return dict(
+            eval_success_first=evals[0][1],
+            eval_success_last=evals[-1][1],
+            eval_success_after_warm_start=next((s for it, s in evals if it == 0), None) if self.cfg.warm_start.steps else None,
+            eval_curve=evals,
+            train_success_last=next((h["success"] for h in reversed(self.history) if "success" in h), None),
+        )
+
+    def plot(self) -> None:
+        """``learning_curve.png`` of the history and the evaluations (not written on a full disk: a view)."""
+        try:
+            plot_learning_curve(self.history, self.evals, self.run_dir / "learning_curve.png",
+                                f"{self.cfg.env.name} / {self.cfg.algorithm.name}")
+        except OSError as err:  # a full disk: the plot is a view of metrics.jsonl
+            logger.error("learning_curve.png not written (%s)", err)

@@ -33,7 +33,7 @@ from torchrl.envs.utils import step_mdp
 from torchrl_agent.envs.factory import build_env
 from torchrl_agent.envs.transforms.projection import expert_response, resolve_format
 
-__all__ = ["batch_indices", "expert_response", "expert_rows", "supervised_step"]  # expert_response: the projection's
+__all__ = ["batch_indices", "expert_response", "expert_rows", "supervised_step", "warm_start"]  # expert_response: the projection's
 
 WARM_START_SEED_OFFSET = 1_000_003
 
@@ -112,3 +112,18 @@ def supervised_step(actor, optimizer, rows: TensorDictBase) -> float:
     torch.nn.utils.clip_grad_norm_(actor.model.parameters(), 1.0)
     optimizer.step()
     return float(loss.detach())
+
+
+def warm_start(cfg, tokenizer, actor) -> dict[str, float]:
+    """``warm_start.steps`` supervised steps of ``actor`` (the policy's
+    :class:`~torchrl_agent.modules.ResponseLogProbs`) on expert responses
+    (``<think>..</think><action>expert</action>``), with an AdamW of its own; returns the last
+    step's loss and the counts."""
+    w = cfg.warm_start
+    rows = expert_rows(cfg, tokenizer, episodes=w.episodes)
+    optimizer = torch.optim.AdamW(actor.model.parameters(), lr=w.lr)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    loss = float("nan")
+    for _ in range(w.steps):
+        loss = supervised_step(actor, optimizer, rows[batch_indices(rows, w.batch_size, generator)])
+    return {"warm_start_loss": loss, "warm_start_rows": rows.batch_size[0], "warm_start_steps": w.steps}

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import operator
 from fractions import Fraction
 from typing import Any
 
@@ -71,6 +72,9 @@ def card_value(rank: str) -> int:
 # ---------------------------------------------------------------------------------------- formulas
 class _ParseError(ValueError):
     pass
+
+
+_OPERATORS = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
 
 
 def evaluate_formula(tokens: list[str] | tuple[str, ...]) -> tuple[Fraction, list[int]]:
@@ -103,27 +107,24 @@ def evaluate_formula(tokens: list[str] | tuple[str, ...]) -> tuple[Fraction, lis
             return Fraction(int(tok))
         raise _ParseError(f"expected a number or '(' at token {pos}")
 
-    def term() -> Fraction:
+    def chain(operand, ops: tuple[str, str]) -> Fraction:
+        """``operand (op operand)*`` for the operators ``ops`` of one precedence level, left to right."""
         nonlocal pos
-        value = atom()
-        while peek() in ("*", "/"):
+        value = operand()
+        while peek() in ops:
             op = tokens[pos]
             pos += 1
-            rhs = atom()
+            rhs = operand()
             if op == "/" and rhs == 0:
                 raise _ParseError("division by zero")
-            value = value * rhs if op == "*" else value / rhs
+            value = _OPERATORS[op](value, rhs)
         return value
 
+    def term() -> Fraction:
+        return chain(atom, ("*", "/"))
+
     def expr() -> Fraction:
-        nonlocal pos
-        value = term()
-        while peek() in ("+", "-"):
-            op = tokens[pos]
-            pos += 1
-            rhs = term()
-            value = value + rhs if op == "+" else value - rhs
-        return value
+        return chain(term, ("+", "-"))
 
     value = expr()
     if pos != len(tokens):

@@ -112,7 +112,7 @@ class AlgorithmHooks:
         """KL in the reward, values (PPO), the advantage (``advantage`` module, or GAE for PPO) and
         the critic update; writes ``rows["advantage"]`` and returns metrics. With ``kl_in_reward`` the
         rows hold their old and reference log-probs (``keys``: the loss's ``tensor_keys``, written by
-        :meth:`Trainer.score <torchrl_agent.trainers.Trainer.score>`); ``iteration`` seeds the critic's mini-batches."""
+        :meth:`Scorer.score <torchrl_agent.trainers.scoring.Scorer.score>`); ``iteration`` seeds the critic's mini-batches."""
         a = self.cfg.algorithm
         metrics: dict[str, float] = {}
         token_reward = None

@@ -1,0 +1,203 @@
+"""The update: epochs x mini-batches x micro-batches of the clipped loss, one AdamW step per
+mini-batch (:class:`Updater`)::
+
+    for epoch, minibatch of rows:                        # one optimizer step per mini-batch
+        for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
+            (weight * loss(scorer.loss_inputs(micro))).backward()  # accumulates the mini-batch's gradient
+        clip -> AdamW step (skipped when the gradient norm is not finite)
+        algorithm.max_kl: the step halved or undone while the mini-batch's approx_kl is over the budget
+
+The rows carry ``old_log_prob`` / ``ref_log_prob`` (:meth:`Scorer.score
+<torchrl_agent.trainers.scoring.Scorer.score>`) and ``advantage`` under the loss's ``tensor_keys``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from tensordict import TensorDictBase
+
+from torchrl_agent.trainers.batching import micro_batches
+from torchrl_agent.trainers.distributed import clip_grad_norm, reduce_mean, shard_indices
+from torchrl_agent.trainers.scoring import Scorer
+
+__all__ = ["TrainingDivergedError", "Updater", "scheduled_lr"]
+
+logger = logging.getLogger("torchrl_agent")
+
+
+class TrainingDivergedError(RuntimeError):
+    """Raised after ``algorithm.max_skipped_steps`` consecutive non-finite gradient norms."""
+
+
+def scheduled_lr(a, i: int, n: int) -> float:
+    """The learning rate of iteration ``i`` of ``n`` (``a``: the ``algorithm`` config section): a
+    linear warm-up from 0 over the first ``w = int(lr_warmup_ratio * n)`` iterations, then
+    ``algorithm.lr_schedule`` (verl's two):
+
+    - ``constant``: ``lr``;
+    - ``cosine``: ``lr * (m + (1 - m) * (1 + cos(pi * (i - w) / (n - 1 - w))) / 2)``, from ``lr`` after
+      the warm-up to ``m * lr`` at the last iteration (``m = algorithm.min_lr_ratio``).
+    """
+    warmup = int(a.lr_warmup_ratio * n)
+    if i < warmup:
+        return a.lr * i / warmup
+    if a.lr_schedule == "constant":
+        return a.lr
+    progress = min(1.0, (i - warmup) / max(1, n - 1 - warmup))
+    return a.lr * (a.min_lr_ratio + (1 - a.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Updater:
+    """Runs the update of the module docstring on scored rows (every rank under torchrun, each its
+    share of every mini-batch).
+
+    Args:
+        cfg: the run's :class:`~torchrl_agent.trainers.config.TrainConfig`.
+        model: the trained policy.
+        loss: the policy loss (:class:`~torchrl_agent.objectives.ClipPolicyLoss` or an algorithm's).
+        scorer: builds the loss's inputs (:meth:`~torchrl_agent.trainers.scoring.Scorer.loss_inputs`).
+
+    Attributes:
+        optimizer: AdamW over the model's parameters.
+        consecutive_skips: optimizer steps skipped in a row (non-finite gradient norm).
+    """
+
+    def __init__(self, cfg, model, loss, scorer: Scorer) -> None:
+        a = cfg.algorithm
+        self.cfg, self.model, self.loss, self.scorer = cfg, model, loss, scorer
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, eps=a.adam_eps)
+        self.consecutive_skips = 0
+
+    def micro_batches(self, rows: TensorDictBase, idx: list[int], active: bool) -> list[tuple[list[int], float, bool]]:
+        """:func:`~torchrl_agent.trainers.batching.micro_batches` of this rank's rows ``idx`` of a mini-batch."""
+        a = self.cfg.algorithm
+        return micro_batches(rows, idx, active, budget=a.micro_batch_tokens, aggregation=a.aggregation)
+
+    def update(self, rows: TensorDictBase, iteration: int) -> dict[str, float]:
+        """Epochs of clipped-loss mini-batch steps over the scored rows at ``iteration``; returns
+        averaged loss metrics and the update's counts.
+
+        A mini-batch is one optimizer step, its rows run as token-budget micro-batches whose weighted
+        losses accumulate exactly the mini-batch's gradient (every aggregation, any number of ranks).
+        """
+        a = self.cfg.algorithm
+        n = rows.batch_size[0]
+        for group in self.optimizer.param_groups:
+            group["lr"] = scheduled_lr(a, iteration, self.cfg.iterations)
+        consistency = self.scorer.logprob_consistency(rows)
+        generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration)
+        totals: dict[str, float] = {}
+        steps = skipped = halvings = undone = 0
+        kl_max = 0.0  # the largest approx_kl measured on the policy this update kept
+        stopped = False  # algorithm.target_kl / max_kl: the update stopped early
+        stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
+        self.model.train()
+        for _ in range(a.epochs):
+            if stopped:
+                break
+            order = torch.randperm(n, generator=generator)
+            for start in range(0, n, a.minibatch_size):
+                # this rank's rows of the mini-batch (all of them in a single process)
+                idx, active = shard_indices(order[start:start + a.minibatch_size])
+                self.optimizer.zero_grad(set_to_none=True)
+                step: dict[str, torch.Tensor] = {}
+                for micro, weight, live in self.micro_batches(rows, idx, active):
+                    losses = self.loss(self.scorer.loss_inputs(rows, micro, live))
+                    total = sum(v for k, v in losses.items() if k.startswith("loss_"))
+                    (weight * total).backward()  # sum over micro-batches (and ranks): the mini-batch's gradient
+                    for k, v in [*losses.items(), ("loss", total)]:
+                        step[k] = step.get(k, 0.0) + weight * v.detach()
+                # PPO's early stop (SB3's and CleanRL's target_kl): the policy has already moved this far
+                # from the sampling one on this mini-batch's tokens (approx_kl: k3, >= 0); no step
+                kl_before = float(reduce_mean(step["approx_kl"]))
+                kl_max = max(kl_max, kl_before)
+                if stop_kl is not None and kl_before > stop_kl:
+                    stopped = True
+                    break
+                before = None if a.max_kl is None else [p.detach().clone() for p in self.trained_parameters()]
+                grad_norm, was_skipped = self.optimizer_step(iteration)
+                skipped += was_skipped
+                if was_skipped:
+                    continue
+                if before is not None:  # the KL budget: measured after the step, halved or undone
+                    kl_after, halved = self.limit_step(rows, idx, active, before, iteration)
+                    halvings += halved
+                    if kl_after is None:  # undone: the weights are those measured by kl_before
+                        undone += 1
+                        stopped = True
+                        break
+                    kl_max = max(kl_max, kl_after)
+                steps += 1
+                for k, v in step.items():
+                    totals[k] = totals.get(k, 0.0) + reduce_mean(v)
+                totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
+        means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
+        return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
+                "approx_kl_max": kl_max, "kl_step_halvings": halvings, "kl_steps_undone": undone,
+                "update_steps": steps, "update_stopped_early": float(stopped)}
+
+    def optimizer_step(self, iteration: int) -> tuple[float, bool]:
+        """Clips the accumulated gradient and steps; returns ``(grad_norm, skipped)``.
+
+        A non-finite norm skips the step: the gradients are zeroed, the weights and the optimizer
+        state stay as they are, and a warning names the step. ``algorithm.max_skipped_steps`` skips in
+        a row raise :class:`TrainingDivergedError`, before any NaN reaches the weights or a checkpoint.
+        """
+        a = self.cfg.algorithm
+        grad_norm = clip_grad_norm(self.model.parameters(), a.grad_clip)  # the same on every rank
+        if torch.isfinite(grad_norm):
+            self.optimizer.step()
+            self.consecutive_skips = 0
+            return float(grad_norm), False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.consecutive_skips += 1
+        logger.warning("iteration %d: gradient norm is %s, optimizer step skipped (%d in a row)",
+                       iteration, float(grad_norm), self.consecutive_skips)
+        if self.consecutive_skips >= a.max_skipped_steps:
+            raise TrainingDivergedError(
+                f"training diverged at iteration {iteration}: the gradient norm was not finite in "
+                f"{self.consecutive_skips} optimizer steps in a row (algorithm.max_skipped_steps="
+                f"{a.max_skipped_steps}); the weights were left as they were before. Likely causes: "
+                f"algorithm.lr={a.lr:g} too high, algorithm.kl_coef={a.kl_coef:g} or "
+                f"algorithm.entropy_coef={a.entropy_coef:g} too large, or non-finite advantages/rewards")
+        return float(grad_norm), True
+
+    def trained_parameters(self) -> list[torch.Tensor]:
+        """The parameters the optimizer steps (LoRA: the adapters only)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def minibatch_kl(self, rows: TensorDictBase, idx: list[int], active: bool) -> float:
+        """``approx_kl`` (KL(sampling || current), k3, token mean) of the current policy on this rank's
+        rows ``idx`` of a mini-batch, averaged over the ranks: one forward pass, no gradient."""
+        kl = sum(weight * self.loss(self.scorer.loss_inputs(rows, micro, live))["approx_kl"]
+                 for micro, weight, live in self.micro_batches(rows, idx, active))
+        return float(reduce_mean(kl))
+
+    @torch.no_grad()
+    def limit_step(self, rows, idx, active, before: list[torch.Tensor], iteration: int) -> tuple[float | None, int]:
+        """``algorithm.max_kl``, a KL budget for the whole update (a trust region, as TRPO's line
+        search): after an optimizer step the mini-batch's ``approx_kl`` to the sampling policy is
+        measured again; while it is over ``max_kl`` the step is halved (``theta = (theta + theta_before) / 2``),
+        at most ``max_kl_backtracks`` times; a step still over the budget is undone (the weights
+        ``before`` it; AdamW's moments keep the gradient). Returns ``(approx_kl of the weights kept,
+        halvings)``, the KL ``None`` when the step was undone. Every rank takes the same decisions
+        (the KL is averaged over the ranks)."""
+        a = self.cfg.algorithm
+        params = self.trained_parameters()
+        for halved in range(a.max_kl_backtracks + 1):
+            kl = self.minibatch_kl(rows, idx, active)
+            if kl <= a.max_kl:
+                return kl, halved
+            if halved < a.max_kl_backtracks:
+                for p, b in zip(params, before):
+                    p.add_(b - p, alpha=0.5)
+        for p, b in zip(params, before):
+            p.copy_(b)
+        logger.warning("iteration %d: an optimizer step moved the policy by approx_kl %.3g even at 1/%d of its "
+                       "size (> algorithm.max_kl=%g): undone, the update stops here", iteration, kl,
+                       2 ** a.max_kl_backtracks, a.max_kl)
+        return None, a.max_kl_backtracks
