@@ -158,18 +158,19 @@ def test_model_tiny_vl_config_loads_the_vlm(vl, tiny_path):
 
 
 def test_format_warm_start_on_image_prompts_gives_valid_actions():
-    """The supervised format warm start on image prompts (expert_rows with the processor: the
-    image's tokens in each prompt, its frame in the row; VisionResponseLogProbs as the actor): the
-    random tiny VLM writes no valid Sokoban action from the frames, the warm-started one does."""
+    """The trainer's supervised format warm start with a VLM's actor (VisionResponseLogProbs):
+    expert_rows with its processor puts the image's tokens in each prompt and the frame in the row;
+    the random tiny VLM writes no valid Sokoban action from the frames, the warm-started one does."""
     from torchrl_agent.envs.factory import build_env
     from torchrl_agent.models import build_tiny_vl, load_tiny_vl
     from torchrl_agent.trainers.cli import compose_config
-    from torchrl_agent.trainers.warm_start import batch_indices, expert_rows, supervised_step
+    from torchrl_agent.trainers.warm_start import expert_rows, warm_start
 
     model, processor = load_tiny_vl(build_tiny_vl(seed=0))  # a copy of its own: it is trained here
     cfg = compose_config(["experiment=smoke", "model=tiny-vl", "env=sokoban", "+env.kwargs.modality=image",
-                          "env.num_groups=4", "env.group_size=1", "env.max_steps=3", "memory=none",
-                          "warm_start.think="])
+                          "env.num_groups=4", "env.group_size=1", "env.max_steps=3", "memory=none", "seed=0",
+                          "warm_start.think=", "warm_start.steps=60", "warm_start.episodes=8",
+                          "warm_start.batch_size=8", "warm_start.lr=3e-3"])
     cfg.env.template = "Sokoban. {observation}\nMoves: {admissible_actions}"  # short prompts: a fast test
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model's steps are faster on one thread, and the same on any machine
@@ -185,16 +186,9 @@ def test_format_warm_start_on_image_prompts_gives_valid_actions():
             return StepCollector(env, policy, seed=0).collect()["action_valid"].float().mean().item()
 
         assert valid() == 0.0
-        actor = VisionResponseLogProbs(model, processor, min_pixels=0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=WARM_LR)
-        generator = torch.Generator().manual_seed(0)
         model.train()
-        for _ in range(WARM_STEPS):
-            loss = supervised_step(actor, optimizer, rows[batch_indices(rows, 8, generator)])
-        assert loss < 0.5
+        summary = warm_start(cfg, processor.tokenizer, VisionResponseLogProbs(model, processor, min_pixels=0))
+        assert summary["warm_start_rows"] == rows.batch_size[0] and summary["warm_start_loss"] < 0.5
         assert valid() == 1.0
     finally:
         torch.set_num_threads(threads)
-
-
-WARM_STEPS, WARM_LR = 60, 3e-3

@@ -118,9 +118,12 @@ def warm_start(cfg, tokenizer, actor) -> dict[str, float]:
     """``warm_start.steps`` supervised steps of ``actor`` (the policy's
     :class:`~torchrl_agent.modules.ResponseLogProbs`) on expert responses
     (``<think>..</think><action>expert</action>``), with an AdamW of its own; returns the last
-    step's loss and the counts."""
+    step's loss and the counts. A VLM's actor (:class:`~torchrl_agent.modules.VisionResponseLogProbs`)
+    gets image prompts: :func:`expert_rows` with its processor and image bounds."""
     w = cfg.warm_start
-    rows = expert_rows(cfg, tokenizer, episodes=w.episodes)
+    vision = ({"processor": actor.processor, "min_pixels": actor.min_pixels, "max_pixels": actor.max_pixels}
+              if getattr(actor, "processor", None) is not None else {})
+    rows = expert_rows(cfg, tokenizer, episodes=w.episodes, **vision)
     optimizer = torch.optim.AdamW(actor.model.parameters(), lr=w.lr)
     generator = torch.Generator().manual_seed(cfg.seed)
     loss = float("nan")
