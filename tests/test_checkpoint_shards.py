@@ -2,7 +2,7 @@
 nothing gathered; a checkpoint of 2 ranks resumes in 1 process and on 4 ranks, one of 1 process on
 2 ranks, and all continue with the same steps as an uninterrupted single-process run; a changed
 shard or a shard metadata that would run code is refused; a write that fails on one rank raises on
-every rank and leaves nothing; retention and a killed writer's leftovers.
+every rank and leaves nothing; retention and a killed writer's leftovers; an asynchronous write holds the state of when it started.
 
 The worker halves (``worker``, ``worker_4``) run on 2 and 4 ranks (gloo on CPU) forked by the
 ``launch`` fixture with the environment torchrun gives them (torch imported once); ``worker`` by
@@ -34,6 +34,7 @@ from torchrl_agent.trainers.checkpointing import (
     remove_unfinished,
     save_weights,
     shards_dir,
+    start_shards,
     write_checkpoint,
 )
 
@@ -99,7 +100,13 @@ def worker(out: str) -> None:
     except CheckpointError as err:
         resource.setrlimit(resource.RLIMIT_FSIZE, limits)
         (out / f"rank{rank}_error.txt").write_text(str(err))
+    # an asynchronous write (checkpoint_async): started before step 2, finished after it
+    path = out / "async" / "iteration_00001.pt"
+    write = start_shards(model, optimizer, path, asynchronous=True)
     _step(model, optimizer, x[2, half], y[2, half])
+    shards = write.result()
+    if rank == 0:
+        write_checkpoint({"shards": shards, "iteration": 1}, path)
     weights, reference_weights = full_weights(model), full_weights(reference)
     if get_rank() == 0:
         torch.save(weights, out / "rank0_final.pt")
@@ -207,6 +214,13 @@ def test_a_single_process_checkpoint_resumes_on_2_ranks_and_a_2_rank_one_on_4_an
     reference = _reference(seed=3)
     assert not load_weights(model, _optimizer(model), plain, read_checkpoint(plain), reference)
     _close(reference.state_dict(), _reference(seed=3).state_dict())
+
+
+def test_an_asynchronous_write_holds_the_state_when_it_started_while_training_goes_on(launch):
+    out, steps = launch  # started after step 1, finished after step 2 was taken
+    path = out / "async" / "iteration_00001.pt"
+    _close(read_weights(path, read_checkpoint(path)), steps[1])
+    assert not (out / "async" / "iteration_00001.shards.tmp").exists()
 
 
 def test_a_failed_shard_write_on_one_rank_raises_on_every_rank_and_leaves_nothing(launch):

@@ -74,8 +74,8 @@ def test_a_diverging_run_stops_with_a_message_and_leaves_the_last_good_checkpoin
     original, inputs = Checkpointer.save, Scorer.loss_inputs
     poisoned = []
 
-    def save_then_poison(self, iteration, path=None):
-        out = original(self, iteration, path)
+    def save_then_poison(self, iteration, path=None, **kwargs):
+        out = original(self, iteration, path, **kwargs)
         poisoned.append(True)
         return out
 

@@ -283,7 +283,8 @@ def test_fsdp2_with_gradient_checkpointing_matches_one_process_without_it(tiny_p
 
 def _trainer_worker(run_dir: str) -> dict:
     """The Trainer itself under torchrun: bf16 compute, a KL reference (in the loss and in the reward),
-    micro-batches, ReMax's greedy baseline episodes, one iteration; what it holds (its history on rank 0)."""
+    micro-batches, ReMax's greedy baseline episodes, one iteration (its checkpoint written asynchronously,
+    finished before ``last.pt``); what it holds (its history on rank 0)."""
     from torch.distributed.tensor import DTensor
 
     from torchrl_agent.trainers import Trainer
@@ -294,7 +295,7 @@ def _trainer_worker(run_dir: str) -> dict:
                           "rollout.max_new_tokens=6", "progress=false", "eval_every=0", "iterations=1", "warm_start.steps=0",
                           "model.dtype=bfloat16", "algorithm.kl_coef=0.05", "algorithm.micro_batch_tokens=64",
                           "algorithm.minibatch_size=4", "algorithm.name=remax", "algorithm.kl_in_reward=true",
-                          "device=cpu", f"run_dir={run_dir}"])
+                          "checkpoint_every=1", "checkpoint_async=true", "device=cpu", f"run_dir={run_dir}"])
     trainer = Trainer(cfg)
     baseline = trainer.hooks.baseline.collector
     reference = list(trainer.reference.parameters())
@@ -331,3 +332,10 @@ def test_trainer_under_torchrun_shards_the_reference_and_keeps_fp32_master_weigh
     assert "model" not in state and {"__0_0.distcp", "__1_0.distcp"} <= set(state["shards"]["files"])
     weights = read_weights(path, state)
     assert weights and all(v.dtype == torch.float32 for v in weights.values())
+    # checkpoint_async=true: iteration 0's shards written in the background, finished (NAME.pt) before last.pt
+    periodic = os.path.join(result["run_dir"], "checkpoints", "iteration_00000.pt")
+    early = read_checkpoint(periodic)
+    assert early["iteration"] == 0 and {"__0_0.distcp", "__1_0.distcp"} <= set(early["shards"]["files"])
+    assert not os.path.exists(periodic.replace(".pt", ".shards.tmp"))
+    for name, value in read_weights(periodic, early).items():  # nothing trained after iteration 0: the same weights
+        torch.testing.assert_close(value, weights[name])

@@ -329,13 +329,13 @@ def test_a_disk_that_fills_keeps_the_run_going_and_a_refused_last_checkpoint_kee
     original = Checkpointer.save
     ballast = []
 
-    def fill_after_the_first(self, iteration, path=None):
+    def fill_after_the_first(self, iteration, path=None, **kwargs):
         if iteration >= 1:  # the first checkpoint is written: now the disk fills
             size = (disk / "run" / "checkpoints" / "iteration_00000.pt").stat().st_size
             for old in ballast:
                 old.unlink()
             ballast[:] = [_fill(disk, leave=size // 2 if path is not None else size * 3 // 2)]
-        return original(self, iteration, path)
+        return original(self, iteration, path, **kwargs)
 
     monkeypatch.setattr(Checkpointer, "save", fill_after_the_first)
     with caplog.at_level(logging.ERROR, logger="torchrl_agent"):

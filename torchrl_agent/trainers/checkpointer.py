@@ -34,6 +34,7 @@ from torchrl_agent.trainers.checkpointing import (
     read_checkpoint,
     remove_unfinished,
     save_weights,
+    start_shards,
     write_checkpoint,
 )
 from torchrl_agent.trainers.distributed import broadcast_object, is_distributed, is_main_process
@@ -75,6 +76,7 @@ class Checkpointer:
         self.cfg, self.run_dir, self.model, self.optimizer = cfg, run_dir, model, optimizer
         self.collector, self.hooks, self.metrics, self.reference = collector, hooks, metrics, reference
         self.reference_anchored = False
+        self.pending = None  # an asynchronous checkpoint being written: (ShardWrite, rank 0's state, path)
         self.last_checkpoint: Path | None = None
         self._resume_state = None
         path = None
@@ -94,18 +96,29 @@ class Checkpointer:
         """``RUN_DIR/checkpoints/iteration_NNNNN.pt``: the periodic checkpoint after ``iteration``."""
         return self.run_dir / "checkpoints" / f"iteration_{iteration:05d}.pt"
 
-    def save(self, iteration: int, path: str | Path | None = None) -> Path:
-        """Saves the checkpoint after ``iteration`` at ``path`` (default: :meth:`path`).
+    def save(self, iteration: int, path: str | Path | None = None, asynchronous: bool = False) -> Path:
+        """Saves the checkpoint after ``iteration`` at ``path`` (default: :meth:`path`), after the one
+        still being written, if any (:meth:`wait`).
 
         Written atomically and with a checksum, as plain tensors and values that load without
         running code (:func:`~torchrl_agent.trainers.checkpointing.write_checkpoint`). Raises
         :class:`~torchrl_agent.trainers.checkpointing.CheckpointError` (nothing written, the previous
-        checkpoint intact) when the weights hold NaN/inf or when the write fails (a full disk)."""
+        checkpoint intact) when the weights hold NaN/inf or when the write fails (a full disk).
+        ``asynchronous`` (under torchrun): the shards are written in the background
+        (:func:`~torchrl_agent.trainers.checkpointing.start_shards`) and ``NAME.pt`` after them, by
+        :meth:`wait`."""
+        self.wait()
         path = Path(path or self.path(iteration))
         kept = f"the previous checkpoint ({self.last_checkpoint or 'none written yet'}) is intact"
         reference = self.reference if self.reference_anchored else None
-        weights = save_weights(self.model, self.optimizer, path, kept=kept, reference=reference)  # torchrun: shards
+        if asynchronous and is_distributed():
+            write = start_shards(self.model, self.optimizer, path, kept=kept, reference=reference, asynchronous=True)
+            weights = {}
+        else:
+            weights = save_weights(self.model, self.optimizer, path, kept=kept, reference=reference)  # torchrun: shards
+            write = None
         if not is_main_process():
+            self.pending = None if write is None else (write, None, path)
             return path
         history = self.metrics.history
         state = {
@@ -118,9 +131,29 @@ class Checkpointer:
             "algorithm": self.hooks.state_dict(),  # PPO's critic, the KL controller, ReMax's seed stream
         }
         fsync_path(self.run_dir / "metrics.jsonl")  # the lines the checkpoint's history digest relies on
+        if write is not None:
+            self.pending = (write, state, path)
+            return path
         write_checkpoint(state, path, kept=kept)
         self.last_checkpoint = path
         return path
+
+    def wait(self) -> None:
+        """Finishes the asynchronous checkpoint in flight, if any (every rank, together): its shards'
+        digests and folder (:meth:`ShardWrite.result <torchrl_agent.trainers.checkpointing.ShardWrite.result>`),
+        then rank 0's ``NAME.pt``. One that could not be written is reported and the run goes on."""
+        if self.pending is None:
+            return
+        write, state, path = self.pending
+        self.pending = None
+        try:
+            shards = write.result()
+            if is_main_process():
+                write_checkpoint({**state, "shards": shards}, path, kept=write.kept)
+        except CheckpointError as err:
+            logger.error("%s; training continues", err)
+            return
+        self.last_checkpoint = path
 
     def periodic(self, iteration: int) -> None:
         """The checkpoint after ``iteration`` every ``checkpoint_every`` iterations, the oldest pruned
@@ -129,7 +162,7 @@ class Checkpointer:
         if not (self.cfg.checkpoint_every and (iteration + 1) % self.cfg.checkpoint_every == 0):
             return
         try:
-            self.save(iteration)
+            self.save(iteration, asynchronous=self.cfg.checkpoint_async)
         except CheckpointError as err:
             logger.error("%s; training continues", err)
             return
@@ -147,6 +180,7 @@ class Checkpointer:
         if signum is None:
             return
         signals.requested = signum
+        self.wait()
         done = self.path(iteration)
         if self.last_checkpoint != done:
             self.save(iteration, done)

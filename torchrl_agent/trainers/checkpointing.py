@@ -67,11 +67,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-__all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError",
+__all__ = ["FORMAT", "RESUME_IDENTITY", "RESUME_MAY_CHANGE", "CheckpointError", "CheckpointLoadError", "ShardWrite",
            "check_model_state", "check_resume_config", "checksum", "convert", "export_hf", "find_resumable", "fsync_path",
            "load_shards", "load_weights", "model_shapes", "numpy_state", "plain_numpy_state", "prune_checkpoints",
            "read_checkpoint", "read_weights", "remove_unfinished", "resolve_resume", "save_weights", "shards_dir",
-           "write_checkpoint", "write_shards"]
+           "start_shards", "write_checkpoint", "write_shards"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -333,14 +333,36 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     into ``NAME.shards`` beside checkpoint ``path`` with ``torch.distributed.checkpoint`` (nothing
     is gathered: each rank writes what it holds, in parallel); returns, on every rank, the
     checkpoint's ``"shards"`` entry: the folder's name, each file's SHA-256, the model's full
-    shapes and whether the reference is in it. Written to ``NAME.shards.tmp``, fsync-ed, renamed; ``NAME.pt`` (rank 0,
-    :func:`write_checkpoint`) comes after. Raises :class:`CheckpointError` on every rank, the
-    previous checkpoint intact, for NaN/inf weights or a failed write."""
+    shapes and whether the reference is in it. Written to ``NAME.shards.tmp``, fsync-ed, renamed;
+    ``NAME.pt`` (rank 0, :func:`write_checkpoint`) comes after. Raises :class:`CheckpointError` on
+    every rank, the previous checkpoint intact, for NaN/inf weights or a failed write."""
+    return start_shards(model, optimizer, path, kept=kept, reference=reference).result()
+
+
+def _async_group():
+    """The process group of asynchronous shard writes (gloo, created once, by every rank together):
+    their collectives run in DCP's background thread, apart from the training's."""
+    global _ASYNC_GROUP
+    if _ASYNC_GROUP is None:
+        _ASYNC_GROUP = torch.distributed.new_group(backend="gloo")
+    return _ASYNC_GROUP
+
+
+_ASYNC_GROUP = None
+
+
+def start_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, *,
+                 kept: str = "", reference: torch.nn.Module | None = None, asynchronous: bool = False) -> ShardWrite:
+    """:func:`write_shards` in two halves: this one (every rank) checks the weights and starts the
+    write; :meth:`ShardWrite.result` (every rank, together) finishes it. With ``asynchronous`` the
+    shards are copied to CPU memory (DCP's staging) and written by a background thread
+    (``dcp.async_save``), so training goes on while they are written: the checkpoint is the state
+    at this call, whatever the steps taken before :meth:`~ShardWrite.result`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    from torchrl_agent.trainers.distributed import all_gather_object, barrier, get_rank, is_main_process
+    from torchrl_agent.trainers.distributed import all_gather_object, barrier, is_main_process
 
     path = Path(path)
     final = shards_dir(path)
@@ -360,40 +382,74 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     barrier()
-    try:  # DCP gathers the ranks' write errors: every rank raises
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
-        mine = {p.name: _sha256_file(p) for p in tmp.glob(f"__{get_rank()}_*")}
-        if is_main_process():
-            mine[".metadata"] = _sha256_file(tmp / ".metadata")
-    except (Exception, CheckpointException) as err:  # (DCP's is a BaseException) as text: not every exception pickles
-        rank, cause = get_rank(), err
-        if isinstance(err, CheckpointException) and err.failures:  # the first failed rank's own error
-            rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda kv: kv[0])))
-        text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
-        mine = f"rank {rank}: {type(cause).__name__}: {text}"
-    parts = all_gather_object(mine)
-    failed = next((p for p in parts if isinstance(p, str)), None)
-    if failed is not None:
-        if is_main_process():
-            shutil.rmtree(tmp, ignore_errors=True)
-        try:
-            free = f"{_free_bytes(path.parent) / 1e6:.1f} MB free in {path.parent}"
-        except OSError:
-            free = f"free space of {path.parent} unknown"
-        raise CheckpointError(f"writing {final} failed ({failed}); {free} (disk full?)" + (f"; {kept}" if kept else ""))
-    files = dict(sorted({k: v for part in parts for k, v in part.items()}.items()))
-    if is_main_process():
-        fsync_path(tmp)
-        old = final.with_name(final.name + ".old")
-        if final.exists():  # the same name again (last.shards): the new folder replaces it
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_path(final.parent)
-    barrier()
     shapes = {k: list(v.shape) for k, v in model_state.items() if torch.is_tensor(v)}
-    return {"dir": final.name, "files": files, "model_shapes": shapes, "reference": reference is not None}
+    write = ShardWrite(path, kept, shapes, reference is not None)
+    writer = dcp.FileSystemWriter(tmp, sync_files=True)
+    try:  # DCP gathers the ranks' write errors: every rank raises (in result() when asynchronous)
+        if asynchronous:
+            write.future = dcp.async_save(tensors, storage_writer=writer, process_group=_async_group())
+        else:
+            dcp.save(tensors, storage_writer=writer)
+    except (Exception, CheckpointException) as err:
+        write.error = err
+    return write
+
+
+class ShardWrite:
+    """A sharded checkpoint's write, started by :func:`start_shards`; :meth:`result` finishes it."""
+
+    def __init__(self, path: Path, kept: str, shapes: dict, reference: bool):
+        self.path, self.kept, self.shapes, self.reference = path, kept, shapes, reference
+        self.future = None  # dcp.async_save's, when asynchronous
+        self.error: BaseException | None = None
+
+    def result(self) -> dict:
+        """Every rank, together: waits for the write, then each rank's files' SHA-256 gathered, the
+        folder fsync-ed and renamed to ``NAME.shards``; returns the checkpoint's ``"shards"`` entry.
+        Raises :class:`CheckpointError` on every rank (the folder removed) when any rank's write failed."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from torchrl_agent.trainers.distributed import all_gather_object, barrier, get_rank, is_main_process
+
+        final = shards_dir(self.path)
+        tmp = final.with_name(final.name + ".tmp")
+        try:
+            if self.error is not None:
+                raise self.error
+            if self.future is not None:
+                self.future.result()
+            mine = {p.name: _sha256_file(p) for p in tmp.glob(f"__{get_rank()}_*")}
+            if is_main_process():
+                mine[".metadata"] = _sha256_file(tmp / ".metadata")
+        except (Exception, CheckpointException) as err:  # (DCP's is a BaseException) as text: not every exception pickles
+            rank, cause = get_rank(), err
+            if isinstance(err, CheckpointException) and err.failures:  # the first failed rank's own error
+                rank, (cause, _) = next(iter(sorted(err.failures.items(), key=lambda kv: kv[0])))
+            text = str(cause).strip().splitlines()[0][:200] if str(cause).strip() else ""
+            mine = f"rank {rank}: {type(cause).__name__}: {text}"
+        parts = all_gather_object(mine)
+        failed = next((p for p in parts if isinstance(p, str)), None)
+        kept = f"; {self.kept}" if self.kept else ""
+        if failed is not None:
+            if is_main_process():
+                shutil.rmtree(tmp, ignore_errors=True)
+            try:
+                free = f"{_free_bytes(self.path.parent) / 1e6:.1f} MB free in {self.path.parent}"
+            except OSError:
+                free = f"free space of {self.path.parent} unknown"
+            raise CheckpointError(f"writing {final} failed ({failed}); {free} (disk full?){kept}")
+        files = dict(sorted({k: v for part in parts for k, v in part.items()}.items()))
+        if is_main_process():
+            fsync_path(tmp)
+            old = final.with_name(final.name + ".old")
+            if final.exists():  # the same name again (last.shards): the new folder replaces it
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+            fsync_path(final.parent)
+        barrier()
+        return {"dir": final.name, "files": files, "model_shapes": self.shapes, "reference": self.reference}
 
 
 class _MetadataUnpickler(pickle.Unpickler):

@@ -206,6 +206,9 @@ class TrainConfig:
     checkpoint_every: int = 0  # save a checkpoint every k iterations (0: only at the end)
     # keep the newest k periodic checkpoints and the best held-out one (by eval_success); 0: all
     checkpoint_keep: int = 0
+    # under torchrun: each rank's shards of a periodic checkpoint copied to CPU memory and written by a
+    # background thread (dcp.async_save) while training goes on; finished at the next checkpoint
+    checkpoint_async: bool = False
     resume: Optional[str] = None  # a checkpoint to resume from
     # keys whose change a resume accepts beyond those that may change (lr, iterations, logging...;
     # checkpointing.RESUME_MAY_CHANGE): e.g. [env.max_steps]; [all]: any (experts: another experiment)
