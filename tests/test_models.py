@@ -45,6 +45,16 @@ def test_tiny_model_is_cached_and_deterministic(tiny_path, tmp_path, monkeypatch
     assert not all(torch.equal(a[k], other[k]) for k in a)
 
 
+def test_tiny_recipes_are_pinned():
+    """Every learning figure in the docs was measured on these two models: their recipes (corpus,
+    sizes, seed) hash to the folders they were built in. Editing a prompt template that the corpora
+    list must not move them (a template changed since keeps its old text in ``_CORPUS_TEXTS``)."""
+    from torchrl_agent.models.tiny import _recipe_hash, large_corpus, tiny_corpus
+
+    assert _recipe_hash(tiny_corpus(), 0, "tiny") == "c62b87512993"
+    assert _recipe_hash(large_corpus(), 0, "tiny-large") == "59aec50a0a43"
+
+
 def test_tiny_tokenizer_chat_template_and_any_text(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Position: 3. Target: 1."}], tokenize=False,
                                          add_generation_prompt=True)

@@ -96,6 +96,18 @@ _NOT_IN_TINY = ("numberline_short", "babyai_short")
 #: Templates added after ``tiny-large``'s recipe was fixed: in no corpus (byte-level BPE encodes any
 #: text), so adding one rebuilds neither model and moves no measured figure.
 _NOT_IN_ANY = ("babyai_history",)
+#: Templates whose text changed after the recipes were fixed: the corpora keep the text they were
+#: fixed with (the ``sokoban`` template now takes the env's task in ``{task}``), so editing a prompt
+#: rebuilds neither model. ``tests/test_models.py`` pins both recipes' hashes.
+_CORPUS_TEXTS = {
+    "sokoban": (
+        "You are a Sokoban solver. Push every box (X) onto a target (O) without getting stuck. Symbols: "
+        "# wall, _ floor, O target, X box, \u221a box on target, P player, S player on target. First reason "
+        "step by step inside <think> </think>, then give exactly one action inside <action> </action>.\n"
+        "{history}\nYou have taken {step} steps. Current room:\n{observation}\nAdmissible actions: "
+        "{admissible_actions}"
+    ),
+}
 
 
 def tiny_corpus(*, all_templates: bool = False) -> list[str]:
@@ -104,7 +116,7 @@ def tiny_corpus(*, all_templates: bool = False) -> list[str]:
     from torchrl_agent.envs import make_env
     from torchrl_agent.envs.transforms import resolve_template
 
-    texts = [resolve_template(name, "") for name in _CORPUS_TEMPLATES
+    texts = [_CORPUS_TEXTS.get(name) or resolve_template(name, "") for name in _CORPUS_TEMPLATES
              if name not in _NOT_IN_ANY and (all_templates or name not in _NOT_IN_TINY)]
     texts += [
         "<think>The target is larger, so I move right.</think><action>+</action>",
