@@ -5,9 +5,10 @@ Runs the quick start (or any experiment, ``--set``) on ``--seeds`` and records e
 of every update: its epoch and mini-batch, the gradient norm before clipping, how far AdamW moved the
 weights (the root-mean-square step over the learning rate: 1 means every weight moved by a full
 ``lr``), the KL from the sampling policy to the current one on the mini-batch's response tokens before
-and after the step (``approx_kl``, k3), the step's own KL (before -> after the step), that KL per kind of
-token (the answer format's tags, the action, the end of sequence), the distribution of the ratio
-``pi / pi_old`` after the step and the share of rows with a non-zero advantage. Training itself is
+and after the step (``approx_kl``, k3; of whole responses, their mean log-ratio: ``response_kl``, k1),
+the step's own KL (before -> after the step), that KL per kind of token (the answer format's tags, the
+action, the end of sequence), the distribution of the ratio ``pi / pi_old`` after the step and the
+share of rows with a non-zero advantage. Training itself is
 :class:`~torchrl_agent.trainers.Trainer`'s, unchanged (this subclass only measures).
 
 Writes ``--out/seed<k>.json`` (the run's metrics per iteration and every step) and prints one JSON
@@ -95,7 +96,7 @@ class DiagnosedUpdater(Updater):
                   "minibatch": self._step_in_update % self._steps_per_epoch,
                   "grad_norm": grad_norm, "update_rms_over_lr": float(delta.square().mean().sqrt() / lr),
                   "update_max_over_lr": float(delta.abs().max() / lr)}
-        pre, post, old_lp, kinds, adv = [], [], [], [], []
+        pre, post, old_lp, kinds, adv, rows_kl = [], [], [], [], [], []
         with torch.no_grad():
             for rows, idx, *_, log_prob, mask, old_log_prob, advantage in micro:
                 with self.scorer.autocast():
@@ -106,6 +107,7 @@ class DiagnosedUpdater(Updater):
                     pre.append(log_prob[r][m].float())
                     post.append(after[r][: m.shape[0]][m].float())
                     old_lp.append(old_log_prob[r][m].float())
+                    rows_kl.append((float((old_lp[-1] - pre[-1]).sum()), float((old_lp[-1] - post[-1]).sum())))
                     kinds += token_kinds(self.tokenizer, tokens[r][: int(m.sum())])
                     adv.append(float(advantage[r].abs().max()))
         pre, post, old_lp = torch.cat(pre), torch.cat(post), torch.cat(old_lp)
@@ -113,7 +115,9 @@ class DiagnosedUpdater(Updater):
             tokens=len(kinds), rows=len(adv), rows_nonzero_advantage=sum(a > 0 for a in adv) / max(1, len(adv)),
             approx_kl_before=float(kl_estimate(old_lp, pre).mean()),
             approx_kl_after=float(kl_estimate(old_lp, post).mean()),
-            step_kl=float(kl_estimate(pre, post).mean()))
+            step_kl=float(kl_estimate(pre, post).mean()),
+            response_kl_before=sum(b for b, _ in rows_kl) / max(1, len(rows_kl)),  # per response, k1 (the trainer's)
+            response_kl_after=sum(a for _, a in rows_kl) / max(1, len(rows_kl)))
         ratio = (post - old_lp).exp()
         q = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99]))
         record.update(ratio_p01=float(q[0]), ratio_p50=float(q[1]), ratio_p99=float(q[2]),
@@ -145,7 +149,7 @@ def run_seed(seed: int, args) -> dict:
     trainer = DiagnosedTrainer(cfg)
     summary = trainer.train()
     history = [{k: h.get(k) for k in ("iteration", "success", "action_valid", "approx_kl", "approx_kl_max",
-                                      "kl_step_halvings", "kl_steps_undone", "update_steps", "eval_success")}
+                                      "response_kl_max", "kl_step_halvings", "kl_steps_undone", "update_steps", "eval_success")}
                for h in trainer.history]
     worst = max(trainer.steps, key=lambda s: s["step_kl"], default=None)
     valid = [h["action_valid"] for h in history if h["action_valid"] is not None and h["iteration"] > 0]

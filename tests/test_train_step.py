@@ -329,7 +329,12 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     moved = any(not torch.equal(v, before[k]) for k, v in bounded.model.state_dict().items())
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
-    assert bounded.updater.minibatch_kl(scored, list(range(rows.batch_size[0])), True) <= 0.01 + 1e-6
+    assert bounded.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[0] <= 0.01 + 1e-6
+    # the budget per response: the same, on the KL of whole responses (k1: their mean log-ratio)
+    per_response = Trainer(compose_config([*base, f"run_dir={tmp_path / 'c'}", "algorithm.max_response_kl=0.01"]))
+    metrics = per_response.update(rows.clone())
+    assert metrics["kl_step_halvings"] >= 1 and metrics["response_kl_max"] <= 0.01
+    assert per_response.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[1] <= 0.01 + 1e-6
 
 
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
