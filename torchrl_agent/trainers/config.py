@@ -41,6 +41,12 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_targets: str = "all-linear"  # or a comma-separated list of module names
     gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward (less memory)
+    # a VLM (tiny-vl, Qwen2-VL, Qwen2.5-VL) on image observations: each frame's area is rescaled into
+    # [min_pixels, max_pixels] before its image processor (the reference's process_image: 256^2, 2048^2;
+    # a 96x96 Sokoban frame gives 81 image tokens; min_pixels=0 keeps it at 9, for CPU runs)
+    min_pixels: int = 65536
+    max_pixels: int = 4194304
+    freeze_vision: bool = False  # a VLM: the vision tower (Qwen2-VL's `visual`) does not train
 
 
 @dataclass
