@@ -127,6 +127,26 @@ def test_vlm_settings_it_cannot_run_fail_at_start_naming_the_key(override, needl
     assert needle in capsys.readouterr().err
 
 
+def test_sharded_collectors_get_the_vlm_engine_and_its_image_bounds_from_the_config():
+    """The multi-process collector's engine server and the Ray actors' factory (their processes are
+    tested in tests/test_vision_collectors.py and tests/test_collector_ray.py): the transformers
+    engine of the VLM folder with ``model.min_pixels`` / ``model.max_pixels``."""
+    from torchrl_agent.modules import VisionPolicy
+    from torchrl_agent.trainers.engines import get_engine, transformers_engine_kwargs
+
+    cfg = compose_config([*BASE, "model.max_pixels=20000"])
+    engine = transformers_engine_kwargs(cfg)
+    assert (engine["engine"], engine["min_pixels"], engine["max_pixels"]) == ("transformers", 0, 20000)
+    factory = get_engine("transformers").ray_factory(cfg, None)
+    assert factory.engine == "transformers" and factory.model_path == engine["model_path"]
+    policy = factory()  # what each Ray actor builds
+    assert isinstance(policy, VisionPolicy) and (policy.min_pixels, policy.max_pixels) == (0, 20000)
+    assert policy.max_new_tokens == cfg.rollout.max_new_tokens and policy.accepts_request_seeds
+    # a text model, or a VLM on text observations: the text engine, no bounds
+    assert "min_pixels" not in transformers_engine_kwargs(compose_config(["experiment=smoke"]))
+    assert "min_pixels" not in transformers_engine_kwargs(compose_config([*BASE, "env.kwargs.modality=text"]))
+
+
 def test_freeze_vision_on_a_text_model_fails_at_start(tmp_path, capsys):
     assert main(["train", "experiment=smoke", "model.freeze_vision=true", f"run_dir={tmp_path}"]) == 2
     assert "model.freeze_vision=true" in capsys.readouterr().err
