@@ -187,7 +187,8 @@ class CollectorConfig:
 
     # step: in the trainer's own process(es) (under torchrun every rank collects its share of the
     # groups with its own engine); multiprocess: `num_collectors` collector processes sharing one
-    # vLLM engine server (rollout.engine=vllm); ray: `num_collectors` Ray actors, an engine each
+    # vLLM engine server (rollout.engine=vllm; a VLM on images: the transformers engine server,
+    # rollout.engine=transformers); ray: `num_collectors` Ray actors, an engine each
     kind: str = "step"
     num_collectors: int = 2  # multiprocess / ray: collector processes or actors (at most env.num_groups)
     max_batches_ahead: int = 0  # multiprocess / ray: batches collected ahead of the update (0: on-policy)
