@@ -115,10 +115,34 @@ def test_frozen_vision_tower_does_not_change_while_the_language_layers_train(tmp
     assert any(not torch.equal(after[k], before[k]) for k in after if "language_model.layers" in k)
 
 
+def test_lora_on_a_vlm_trains_adapters_of_its_language_part_only(tmp_path):
+    """``model.lora_rank > 0``: adapters on the language model's projections, none in the vision
+    tower; the reference is the base VLM (adapters disabled), scored from the frames too."""
+    from torchrl_agent.modules import VisionPolicy
+    from torchrl_agent.trainers import Trainer
+
+    trainer = Trainer(compose_config([*BASE, "iterations=1", "checkpoint_every=0", "model.lora_rank=4",
+                                      "algorithm.kl_coef=0.05", "algorithm.lr=1e-2", f"run_dir={tmp_path}"]))
+    assert isinstance(trainer.policy, VisionPolicy) and trainer.reference is None
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 7 * 2  # 2 layers x (q, k, v, o, gate, up, down) x (A, B)
+    assert all("lora_" in n and "language_model" in n for n in trainable)
+    assert not any("lora_" in n for n, _ in trainer.model.named_parameters() if ".visual." in n)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    rows, _ = trainer.collect_rows()
+    assert trainer.update(rows)["logprob_diff_max"] < TOL
+    after = trainer.model.state_dict()
+    changed = [k for k in after if not torch.equal(after[k], before[k])]
+    assert changed and all("lora_" in k for k in changed)
+    rows = trainer.collector.collect()  # sampled with the adapters
+    trainer.scorer.score(rows)
+    assert trainer.scorer.logprob_consistency(rows)["logprob_diff_max"] < TOL
+    assert (rows.get("ref_log_prob") - rows.get("old_log_prob")).abs().max() > 1e-3  # the base VLM differs
+
+
 @pytest.mark.parametrize("override, needle", [
     ("rollout.engine=vllm", "rollout.engine=vllm with a vision-language model"),
     ("model.min_pixels=100", "model.min_pixels=100: must be <= model.max_pixels=1"),
-    ("model.lora_rank=4", "model.lora_rank"),
     ("algorithm=ppo", "algorithm.name=ppo"),
 ])
 def test_vlm_settings_it_cannot_run_fail_at_start_naming_the_key(override, needle, tmp_path, capsys):

@@ -20,7 +20,7 @@ from torchrl_agent.models import compute_dtype, load_model, load_processor, mode
 from torchrl_agent.trainers.distributed import barrier, is_distributed, is_main_process, shard_model
 from torchrl_agent.trainers.engines import get_engine, image_bounds
 
-__all__ = ["TrainingModels", "apply_lora", "setup_models", "vision_tower"]
+__all__ = ["TrainingModels", "apply_lora", "language_linears", "setup_models", "vision_tower"]
 
 
 @dataclass
@@ -63,15 +63,28 @@ def vision_tower(model: nn.Module) -> nn.Module:
 
 
 def apply_lora(model, cfg):
-    """Wrap ``model`` with LoRA adapters (``peft``) per the model config."""
+    """Wrap ``model`` with LoRA adapters (``peft``) per the model config. On a VLM,
+    ``lora_targets=all-linear`` means the language part's linear layers (:func:`language_linears`):
+    the vision tower stays frozen, as every weight outside the adapters."""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as err:
         raise ImportError("model.lora_rank > 0 needs peft: pip install 'torchrl-agent[lora]'") from err
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else [t.strip() for t in cfg.lora_targets.split(",")]
+    if targets == "all-linear" and hasattr(model.config, "vision_config"):
+        targets = language_linears(model)
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
                         task_type="CAUSAL_LM")
     return get_peft_model(model, config)
+
+
+def language_linears(model: nn.Module) -> list[str]:
+    """The names of a VLM's linear layers outside its vision tower and LM head (its language model's
+    attention and MLP projections): LoRA's ``all-linear`` on a VLM."""
+    inside = {id(m) for m in vision_tower(model).modules()}
+    head = model.get_output_embeddings()
+    return [name for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and id(m) not in inside and m is not head]
 
 
 def setup_models(cfg, device: torch.device, *, reference: bool) -> TrainingModels:

@@ -6,7 +6,7 @@ sizes ``>= 1``, rates finite and ``> 0``), names from a registry or a fixed set 
 ``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
 ``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
 that a template string holds the ``{observation}`` placeholder, a VLM's settings (``model.min_pixels``
-<= ``model.max_pixels``; no vLLM engine, LoRA or critic with images yet), and that the files a run reads
+<= ``model.max_pixels``; no vLLM engine or critic with images yet), and that the files a run reads
 (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
@@ -196,9 +196,6 @@ def _check_vision(cfg) -> None:
                           "VLM: model=tiny-vl, or model.path= a Qwen2-VL / Qwen2.5-VL folder)")
     if image_bounds(cfg) is None:
         return
-    if m.lora_rank > 0:
-        raise ConfigError("model.lora_rank > 0 with a vision-language model on image observations is not supported "
-                          "yet (LoRA on its language part: docs/vision.md); use model.lora_rank=0")
     if cfg.algorithm.name in ALGORITHM_REGISTRY and ALGORITHM_REGISTRY[cfg.algorithm.name].critic is not None:
         raise ConfigError(f"algorithm.name={cfg.algorithm.name} with a vision-language model on image observations: "
                           "its critic reads no images yet; use a critic-free algorithm (gigpo, grpo, ...)")
