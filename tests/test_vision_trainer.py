@@ -178,8 +178,9 @@ def test_freeze_vision_on_a_text_model_fails_at_start(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------- torchrun
 def worker(out: str) -> None:
-    """Each of 2 ranks: the straight run (2 iterations, a sharded checkpoint after each), then a run
-    resumed from its checkpoint after iteration 0; rank 0 writes what they hold into OUT."""
+    """Each of 2 ranks: the straight run (2 iterations, a sharded checkpoint after each), a run
+    resumed from its checkpoint after iteration 0, and one iteration with ``model.freeze_vision``;
+    rank 0 writes what they hold into OUT."""
     from torchrl_agent.modules import VisionPolicy
     from torchrl_agent.trainers import Trainer
     from torchrl_agent.trainers.distributed import all_gather_object, cleanup, get_rank
@@ -194,10 +195,21 @@ def worker(out: str) -> None:
     a, b = _weights(straight), _weights(resumed)
     engines = all_gather_object({"rank": get_rank(), "engine": engine, "sync": straight.weight_sync,
                                  "collector": type(straight.collector).__name__})
+    # one iteration with the vision tower frozen (FSDP2 over frozen and trained parameters in one group)
+    frozen = Trainer(compose_config([*BASE, "device=cpu", "iterations=1", "checkpoint_every=0",
+                                     "model.freeze_vision=true", f"run_dir={out_dir / 'frozen'}"]))
+    start = _weights(frozen)
+    frozen.train()
+    end = _weights(frozen)
     if get_rank() == 0:
+        vision = [k for k in start if "visual." in k]
+        language = [k for k in start if "language_model.layers" in k]
         (out_dir / "result.json").write_text(json.dumps({
             "engines": engines, "straight": straight.history, "resumed": resumed.history,
-            "weights_equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)}))
+            "weights_equal": a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a),
+            "frozen": frozen.history, "frozen_vision_kept": bool(vision) and all(torch.equal(start[k], end[k])
+                                                                                 for k in vision),
+            "frozen_language_changed": any(not torch.equal(start[k], end[k]) for k in language)}))
     cleanup()
 
 
@@ -227,6 +239,9 @@ def test_vlm_trains_under_torchrun_and_resumes_from_its_sharded_checkpoint(torch
     for key in ("episode_reward", "loss", "kl_ref", "grad_norm"):
         assert a[key] == b[key], key
     assert result["weights_equal"]
+    # model.freeze_vision=true under FSDP2: the vision tower kept, the language layers trained
+    assert result["frozen_vision_kept"] and result["frozen_language_changed"]
+    assert _record(result["frozen"], 0)["logprob_diff_max"] < TOL
 
 
 if __name__ == "__main__":
