@@ -171,6 +171,16 @@ def test_sharded_collectors_get_the_vlm_engine_and_its_image_bounds_from_the_con
     assert "min_pixels" not in transformers_engine_kwargs(compose_config([*BASE, "env.kwargs.modality=text"]))
 
 
+def test_a_text_model_on_image_observations_is_warned(tiny_model, tokenizer, caplog):
+    from torchrl_agent.modules import TransformersPolicy
+    from torchrl_agent.trainers.builders import build_policy
+
+    cfg = compose_config(["experiment=smoke", "env=sokoban", "+env.kwargs.modality=image"])
+    with caplog.at_level("WARNING", logger="torchrl_agent"):
+        policy = build_policy(cfg, tiny_model, tokenizer)
+    assert type(policy) is TransformersPolicy and "never sees the frames" in caplog.text
+
+
 def test_freeze_vision_on_a_text_model_fails_at_start(tmp_path, capsys):
     assert main(["train", "experiment=smoke", "model.freeze_vision=true", f"run_dir={tmp_path}"]) == 2
     assert "model.freeze_vision=true" in capsys.readouterr().err

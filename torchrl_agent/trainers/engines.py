@@ -8,6 +8,7 @@ read it. Adding an engine is one module that calls :func:`register_engine`, then
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from torchrl_agent.trainers.config import ConfigError
 
 __all__ = ["ENGINE_REGISTRY", "RolloutEngine", "get_engine", "image_bounds", "register_engine",
            "transformers_engine_kwargs", "vllm_engine_kwargs"]
+
+logger = logging.getLogger("torchrl_agent")
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,11 @@ def _transformers(cfg, model, tokenizer):
     """A VLM on image observations: :class:`~torchrl_agent.modules.VisionPolicy` with the folder's
     processor and ``model.min_pixels`` / ``model.max_pixels``; else :class:`TransformersPolicy`."""
     if image_bounds(cfg) is None:
+        if cfg.env.kwargs.get("modality", "text") != "text":
+            logger.warning("env.kwargs.modality=%s with a text model (model.name=%s): the policy never sees the "
+                           "frames, only the text (the <image> placeholder included); use a VLM (model=tiny-vl, "
+                           "or model.path= a Qwen2-VL / Qwen2.5-VL folder)", cfg.env.kwargs["modality"],
+                           cfg.model.name)
         return TransformersPolicy(model, tokenizer, **_transformers_kwargs(cfg))
     from torchrl_agent.models import load_processor
     from torchrl_agent.modules import VisionPolicy
