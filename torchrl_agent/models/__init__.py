@@ -7,8 +7,9 @@ from torchrl_agent.models.hub import hub_cache_dir, resolve_model_path
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
 from torchrl_agent.models.tiny_vl import build_tiny_vl, load_processor, load_tiny_vl
 
-__all__ = ["build_tiny_model", "build_tiny_vl", "cache_dir", "compute_dtype", "enable_gradient_checkpointing", "hub_cache_dir",
-           "is_vision_model", "load_model", "load_processor", "load_tiny_vl", "model_path", "resolve_model_path"]
+__all__ = ["build_tiny_model", "build_tiny_vl", "cache_dir", "compute_dtype", "enable_gradient_checkpointing",
+           "hub_cache_dir", "is_vision_config", "is_vision_model", "load_model", "load_processor", "load_tiny_vl",
+           "model_path", "resolve_model_path"]
 
 
 def model_path(cfg) -> str:
@@ -33,6 +34,22 @@ def is_vision_model(path) -> bool:
     from transformers import AutoConfig
 
     return hasattr(AutoConfig.from_pretrained(path), "vision_config")
+
+
+def is_vision_config(cfg) -> bool:
+    """Whether a model config (``name``, ``path``) names a vision-language model, without building
+    or loading it: ``tiny-vl``, or a folder (a hub name in the local cache too) whose
+    ``config.json`` has a ``vision_config``. ``False`` for a path that does not resolve (reported
+    where the model is loaded)."""
+    import json
+
+    if not cfg.path:
+        return cfg.name == "tiny-vl"
+    try:
+        config = resolve_model_path(cfg.path) / "config.json"
+    except FileNotFoundError:
+        return False
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def compute_dtype(cfg):

@@ -10,7 +10,7 @@ import logging
 from torchrl_agent.collectors import StepCollector
 from torchrl_agent.envs.factory import build_env, build_memory, prompt_budget
 from torchrl_agent.trainers.algorithms import get_algorithm
-from torchrl_agent.trainers.engines import get_engine, vllm_engine_kwargs
+from torchrl_agent.trainers.engines import get_engine, transformers_engine_kwargs, vllm_engine_kwargs
 
 __all__ = ["build_advantage", "build_collector", "build_env", "build_loss", "build_memory", "build_policy",
            "prompt_budget", "rollout_config", "vllm_engine_kwargs"]
@@ -20,7 +20,8 @@ logger = logging.getLogger("torchrl_agent")
 
 def build_policy(cfg, model, tokenizer):
     """The rollout engine of ``rollout.engine`` (:data:`~torchrl_agent.trainers.engines.ENGINE_REGISTRY`):
-    ``transformers`` (shares ``model``), ``vllm`` (its own copy of the weights, refreshed by
+    ``transformers`` (shares ``model``; a VLM on image observations:
+    :class:`~torchrl_agent.modules.VisionPolicy` with its processor), ``vllm`` (its own copy of the weights, refreshed by
     ``update_weights`` after every update), or any registered engine."""
     engine = get_engine(cfg.rollout.engine)
     if engine.check is not None:
@@ -61,7 +62,9 @@ def build_collector(cfg, env, policy, *, split: str = "train", tokenizer=None):
       :class:`~torchrl_agent.collectors.DistributedStepCollector` (every rank its groups with its
       own engine, the rows gathered on every rank). Evaluation (``split="eval"``) always uses it.
     - ``multiprocess``: a :class:`~torchrl_agent.collectors.MultiProcessStepCollector`, collector
-      processes over one vLLM engine server (``env`` and ``policy`` unused);
+      processes over one engine server (``env`` and ``policy`` unused): vLLM, or for a VLM on
+      image observations (``rollout.engine=transformers``) the folder's transformers engine with the
+      image bounds (:func:`~torchrl_agent.trainers.engines.transformers_engine_kwargs`);
     - ``ray``: a :class:`~torchrl_agent.collectors.RayStepCollector`, Ray actors with an engine of
       ``rollout.engine`` each.
     """
@@ -90,8 +93,9 @@ def _sharded_collector(cfg, tokenizer):
     if c.kind == "multiprocess":
         from torchrl_agent.collectors import MultiProcessStepCollector
 
-        return MultiProcessStepCollector(ConfigEnvFactory(cfg), engine=vllm_engine_kwargs(cfg, tokenizer),
-                                         engine_threads=c.engine_threads, **common)
+        engine = vllm_engine_kwargs(cfg, tokenizer) if r.engine == "vllm" else transformers_engine_kwargs(cfg)
+        return MultiProcessStepCollector(ConfigEnvFactory(cfg), engine=engine, engine_threads=c.engine_threads,
+                                         **common)
     from torchrl_agent.collectors.ray import RayStepCollector
 
     return RayStepCollector(ConfigEnvFactory(cfg), get_engine(r.engine).ray_factory(cfg, tokenizer), **common)

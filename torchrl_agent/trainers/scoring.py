@@ -7,6 +7,11 @@ collected the rows, before any step of this iteration) and, with a KL term, ``re
 frozen reference), each ``[N, T]`` float32 on the CPU, zero after each response (``T``: the
 longest). :meth:`Scorer.loss_inputs` returns ``log_prob``, ``entropy``, ``mask``, ``advantage``,
 ``old_log_prob`` and ``ref_log_prob`` for some rows, ``[n, T]`` on the model's device.
+
+A VLM on image observations (``models.processor`` set) is scored by
+:class:`~torchrl_agent.modules.VisionResponseLogProbs`: each row's image inputs are rebuilt from its
+``pixels`` (uint8 ``[H, W, 3]``) with the engine's ``model.min_pixels`` / ``model.max_pixels``, so the
+old, reference and current log-probs see the frame the response was sampled from.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import torch
 from tensordict import TensorDict, TensorDictBase
 
-from torchrl_agent.modules import ResponseLogProbs
+from torchrl_agent.modules import ResponseLogProbs, VisionResponseLogProbs
 from torchrl_agent.trainers.batching import (
     fit_width,
     minibatch_advantage,
@@ -26,6 +31,7 @@ from torchrl_agent.trainers.batching import (
     token_budget_batches,
 )
 from torchrl_agent.trainers.distributed import split_over_ranks
+from torchrl_agent.trainers.engines import image_bounds
 from torchrl_agent.trainers.model_setup import TrainingModels
 
 __all__ = ["Scorer"]
@@ -44,7 +50,8 @@ class Scorer:
         collector: the training collector (under torchrun its ``owner`` tells each engine's rows apart).
 
     Attributes:
-        actor: the policy's :class:`~torchrl_agent.modules.ResponseLogProbs` with gradients and entropies.
+        actor: the policy's :class:`~torchrl_agent.modules.ResponseLogProbs` with gradients and entropies
+            (:class:`~torchrl_agent.modules.VisionResponseLogProbs` for a VLM on image observations).
         recomputed_rows: the rows this rank recomputed last (its share).
     """
 
@@ -53,9 +60,17 @@ class Scorer:
         self.cfg, self.keys, self.device, self.collector = cfg, keys, device, collector
         self.model, self.reference, self.pad_token_id = models.model, models.reference, models.tokenizer.pad_token_id
         self.compute_dtype, self.autocast_enabled = models.compute_dtype, models.autocast_enabled
-        self.actor = ResponseLogProbs(self.model, self.pad_token_id, temperature=cfg.rollout.temperature,
-                                      chunk_tokens=a.logprob_chunk_tokens)
+        self.processor = getattr(models, "processor", None)
+        self.actor = self.log_probs(self.model, temperature=cfg.rollout.temperature, chunk_tokens=a.logprob_chunk_tokens)
         self.recomputed_rows: list[int] = []
+
+    def log_probs(self, model, **kwargs) -> ResponseLogProbs:
+        """The log-prob module of ``model`` (``kwargs``: :class:`~torchrl_agent.modules.ResponseLogProbs`'s):
+        with a VLM's processor, :class:`~torchrl_agent.modules.VisionResponseLogProbs` with the engine's
+        image bounds (the rows' ``pixels`` give the image inputs)."""
+        if self.processor is None:
+            return ResponseLogProbs(model, self.pad_token_id, **kwargs)
+        return VisionResponseLogProbs(model, self.processor, **image_bounds(self.cfg), **kwargs)
 
     def autocast(self):
         """Computes in ``model.dtype`` over the float32 weights (a single process; under torchrun
@@ -72,8 +87,8 @@ class Scorer:
         with the same rows and gets every row's log-probs. :attr:`recomputed_rows` holds the rows
         this rank computed."""
         a = self.cfg.algorithm
-        module = ResponseLogProbs(model, self.pad_token_id, temperature=self.actor.temperature,
-                                  with_entropy=False, chunk_tokens=a.logprob_chunk_tokens)
+        module = self.log_probs(model, temperature=self.actor.temperature, with_entropy=False,
+                                chunk_tokens=a.logprob_chunk_tokens)
         lengths, _ = row_lengths(rows)
 
         def compute(idx: list[int]) -> list[torch.Tensor]:
@@ -111,8 +126,9 @@ class Scorer:
 
     def loss_inputs(self, rows: TensorDictBase, idx: list[int], active: bool = True) -> TensorDict:
         """The loss module's input for rows ``idx``, under its ``tensor_keys``: current log-probs and
-        entropies (with grad, in the compute dtype), and the rows' old and reference log-probs
-        (:meth:`score`) and advantages, ``[n, T]``, on the model's device."""
+        entropies (with grad, in the compute dtype; a VLM's from the rows' ``pixels``, which
+        ``rows[idx]`` keeps), and the rows' old and reference log-probs (:meth:`score`) and
+        advantages, ``[n, T]``, on the model's device."""
         keys = self.keys
         part = rows[idx]
         with self.autocast():

@@ -5,7 +5,8 @@ checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorit
 sizes ``>= 1``, rates finite and ``> 0``), names from a registry or a fixed set (``memory.kind``,
 ``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
 ``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
-that a template string holds the ``{observation}`` placeholder, and that the files a run reads
+that a template string holds the ``{observation}`` placeholder, a VLM's settings (``model.min_pixels``
+<= ``model.max_pixels``; no vLLM engine or critic with images yet), and that the files a run reads
 (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
 
@@ -20,10 +21,11 @@ import os
 from pathlib import Path
 
 from torchrl_agent.envs.transforms import MEMORY_REGISTRY
+from torchrl_agent.models import is_vision_config
 from torchrl_agent.objectives import AGGREGATIONS, KL_TYPES
 from torchrl_agent.trainers.algorithms import ALGORITHM_REGISTRY
 from torchrl_agent.trainers.config import ConfigError
-from torchrl_agent.trainers.engines import ENGINE_REGISTRY
+from torchrl_agent.trainers.engines import ENGINE_REGISTRY, image_bounds
 
 __all__ = ["ConfigError", "validate_config"]
 
@@ -41,7 +43,7 @@ _AT_LEAST = {
     "model.lora_rank": 0, "model.lora_alpha": 1, "threads": 1,
     "eval.retries": 0, "eval.chunk_episodes": 1, "env.max_response_chars": 1, "algorithm.max_sampling_tries": 1,
     "collector.num_collectors": 1, "collector.max_batches_ahead": 0, "collector.engine_threads": 1,
-    "algorithm.history_length": 0,
+    "algorithm.history_length": 0, "model.min_pixels": 0, "model.max_pixels": 1,
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
@@ -104,6 +106,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     engine = ENGINE_REGISTRY[cfg.rollout.engine]
     if engine.check is not None:
         engine.check(cfg)
+    _check_vision(cfg)
     _check_endpoint(cfg)
     _check_collector(cfg)
     _check_algorithm(cfg)
@@ -160,8 +163,14 @@ def _check_collector(cfg) -> None:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError(f"collector.kind={c.kind} is not supported under torchrun: use collector.kind=step "
                           "(every rank collects its share of the groups with its own engine)")
-    if c.kind == "multiprocess" and cfg.rollout.engine != "vllm":
-        raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm")
+    images = image_bounds(cfg) is not None
+    if c.kind == "multiprocess" and cfg.rollout.engine != "vllm" and not images:
+        raise ConfigError("collector.kind=multiprocess shares one vLLM engine server: set rollout.engine=vllm "
+                          "(a VLM on image observations: rollout.engine=transformers, the server's transformers engine)")
+    if not images and is_vision_config(cfg.model):
+        raise ConfigError(f"collector.kind={c.kind} with a vision-language model on text observations: the engines "
+                          "of its processes read frames; set env.kwargs.modality=image (or both), or use "
+                          "collector.kind=step")
     if c.kind == "ray" and ENGINE_REGISTRY[cfg.rollout.engine].ray_factory is None:
         raise ConfigError(f"collector.kind=ray: rollout.engine={cfg.rollout.engine} builds no engine in a Ray actor; "
                           "use collector.kind=step")
@@ -174,6 +183,23 @@ def _check_collector(cfg) -> None:
     if cfg.memory.kind == "summary":
         raise ConfigError(f"collector.kind={c.kind} with memory.kind=summary: the collector processes have no "
                           "summarising policy; use collector.kind=step")
+
+
+def _check_vision(cfg) -> None:
+    """The ``model`` section's image settings: the pixel bounds, and what a VLM cannot do here yet."""
+    m = cfg.model
+    min_pixels, max_pixels = _get(cfg, "model.min_pixels"), _get(cfg, "model.max_pixels")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ConfigError(f"model.min_pixels={min_pixels}: must be <= model.max_pixels={max_pixels}")
+    vision = is_vision_config(m)
+    if _get(cfg, "model.freeze_vision") and not vision:
+        raise ConfigError(f"model.freeze_vision=true: model {m.path or m.name} has no vision tower (it applies to a "
+                          "VLM: model=tiny-vl, or model.path= a Qwen2-VL / Qwen2.5-VL folder)")
+    if image_bounds(cfg) is None:
+        return
+    if cfg.algorithm.name in ALGORITHM_REGISTRY and ALGORITHM_REGISTRY[cfg.algorithm.name].critic is not None:
+        raise ConfigError(f"algorithm.name={cfg.algorithm.name} with a vision-language model on image observations: "
+                          "its critic reads no images yet; use a critic-free algorithm (gigpo, grpo, ...)")
 
 
 def _check_algorithm(cfg) -> None:
