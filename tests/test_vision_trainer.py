@@ -254,5 +254,59 @@ def test_vlm_trains_under_torchrun_and_resumes_from_its_sharded_checkpoint(torch
     assert _record(result["frozen"], 0)["logprob_diff_max"] < TOL
 
 
+# ------------------------------------------------------------------------------------------ GPU recipes
+VL_RECIPES = {"sokoban_vl_gigpo": dict(env="sokoban", groups=32, steps=15, iterations=150, minibatch=64, image_tokens=81),
+              "ezpoints_vl_gigpo": dict(env="ezpoints", groups=16, steps=8, iterations=100, minibatch=128,
+                                        image_tokens=121)}
+
+
+@pytest.mark.parametrize("recipe", list(VL_RECIPES))
+def test_vl_recipes_validate_and_their_rehearsal_runs_the_tiny_vlm_on_the_recipes_frames(recipe):
+    """The Qwen2.5-VL-3B recipes at the reference's settings compose and validate; the rehearsal's
+    overrides (``benchmarks/recipe_rehearsal.py``) give the tiny VLM with the transformers engine and
+    the recipe's image bounds, whose env sends one image a prompt of the reference's token count."""
+    import importlib.util
+
+    from torchrl_agent.envs.factory import build_env
+    from torchrl_agent.models import is_vision_config, load_processor, model_path
+    from torchrl_agent.modules.vision import image_inputs
+    from torchrl_agent.trainers.engines import image_bounds
+    from torchrl_agent.trainers.validate import validate_config
+
+    want = VL_RECIPES[recipe]
+    cfg = compose_config([f"experiment={recipe}"])
+    validate_config(cfg, check_files=False)
+    assert (cfg.model.path, cfg.model.dtype, cfg.rollout.engine) == ("Qwen/Qwen2.5-VL-3B-Instruct", "bfloat16",
+                                                                     "transformers")
+    assert cfg.env.name == want["env"] and cfg.env.kwargs["modality"] == "image" and cfg.memory.kind == "none"
+    assert (cfg.env.num_groups, cfg.env.group_size, cfg.env.max_steps) == (want["groups"], 8, want["steps"])
+    assert (cfg.memory.max_prompt_tokens, cfg.rollout.max_new_tokens, cfg.iterations) == (1024, 512, want["iterations"])
+    a = cfg.algorithm
+    assert (a.name, a.norm, a.gamma, a.lr, a.kl_coef, a.invalid_penalty, a.minibatch_size) == (
+        "gigpo", "mean", 0.95, 1e-6, 0.01, 0.1, want["minibatch"])
+    assert (cfg.model.min_pixels, cfg.model.max_pixels) == (256**2, 2048**2)
+
+    spec = importlib.util.spec_from_file_location(
+        "recipe_rehearsal", Path(__file__).resolve().parents[1] / "benchmarks" / "recipe_rehearsal.py")
+    rehearsal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rehearsal)
+    assert recipe in rehearsal.GPU_RECIPES
+    overrides = rehearsal.overrides(recipe)
+    assert len({o.split("=", 1)[0] for o in overrides}) == len(overrides)  # each key once: Hydra takes them all
+    tiny = compose_config([f"experiment={recipe}", *overrides])
+    validate_config(tiny, check_files=False)
+    assert (tiny.model.name, tiny.model.path, tiny.rollout.engine) == ("tiny-vl", None, "transformers")
+    assert is_vision_config(tiny.model) and image_bounds(tiny) == {"min_pixels": 256**2, "max_pixels": 2048**2}
+    assert (tiny.env.num_groups, tiny.iterations, tiny.algorithm.minibatch_size) == (2, 2, want["minibatch"])
+    text = compose_config(["experiment=sokoban_gigpo", *rehearsal.overrides("sokoban_gigpo")])
+    assert (text.model.name, text.rollout.engine) == ("smollm2-135m", "vllm")  # the text recipes' cuts stay
+
+    processor = load_processor(model_path(tiny.model))
+    td = build_env(tiny, processor.tokenizer).reset()
+    assert all(p.count("<image>") == 1 for p in td["text", "prompt"])  # the current frame, once (no formula text)
+    grid = image_inputs(processor, td["pixels"], **image_bounds(tiny))["image_grid_thw"]
+    assert (grid.prod(-1) // 4).tolist() == [want["image_tokens"]] * len(td["pixels"])  # 2x2 merge
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])

@@ -66,9 +66,11 @@ def _search_lines(records: list[dict], observation: str) -> str:
 
 def _formula(observation: str) -> str:
     """The formula typed so far, as the reference writes it (``''.join`` of the tokens), from a
-    formula game's observation (``... Formula so far: 3 + 4`` or ``(empty)``)."""
-    typed = observation.rpartition("Formula so far:")[2].strip()
-    return "" if typed == "(empty)" else "".join(typed.split())
+    formula game's observation (``... Formula so far: 3 + 4`` or ``(empty)``); ``""`` for an image
+    observation, whose text holds no formula (it is drawn in the frame)."""
+    _, found, typed = observation.rpartition("Formula so far:")
+    typed = typed.strip()
+    return "" if not found or typed == "(empty)" else "".join(typed.split())
 
 
 @dataclass(frozen=True)
