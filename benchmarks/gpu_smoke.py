@@ -213,17 +213,7 @@ def main(argv=None) -> dict:
     setup_s = time.perf_counter() - t0
     n_params = sum(p.numel() for p in trainer.model.parameters())  # tied embeddings once; DTensor: full size
     vocab = trainer.model.config.vocab_size
-    sync = {"s": 0.0}
-    sync_weights = trainer.sync_weights
-
-    def timed_sync():
-        _sync(device)
-        t = time.perf_counter()
-        sync_weights()
-        _sync(device)
-        sync["s"] += time.perf_counter() - t
-
-    trainer.sync_weights = timed_sync
+    sync = timed_weight_sync(trainer, device)
 
     records = []
     for it in range(args.iterations):
@@ -301,17 +291,9 @@ def main(argv=None) -> dict:
     return summary
 
 
-def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
-    """The VL shape (module docstring): the Trainer's collection and update, timed, then the JSON."""
-    from torchrl_agent.trainers import Trainer
-
-    cuda = device.type == "cuda"
-    cfg = vl_config(args)
-    cfg.run_dir = broadcast_object(tempfile.mkdtemp(prefix="gpu_smoke-vl-") if is_main_process() else None)
-    t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    setup_s = time.perf_counter() - t0
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+def timed_weight_sync(trainer, device: torch.device) -> dict[str, float]:
+    """Wraps ``trainer.sync_weights`` so that each call adds its time (device-synchronised) to the
+    returned dict's ``"s"``, which the caller resets per iteration."""
     sync = {"s": 0.0}
     sync_weights = trainer.sync_weights
 
@@ -323,6 +305,21 @@ def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
         sync["s"] += time.perf_counter() - t
 
     trainer.sync_weights = timed_sync
+    return sync
+
+
+def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
+    """The VL shape (module docstring): the Trainer's collection and update, timed, then the JSON."""
+    from torchrl_agent.trainers import Trainer
+
+    cuda = device.type == "cuda"
+    cfg = vl_config(args)
+    cfg.run_dir = broadcast_object(tempfile.mkdtemp(prefix="gpu_smoke-vl-") if is_main_process() else None)
+    t0 = time.perf_counter()
+    trainer = Trainer(cfg)
+    setup_s = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    sync = timed_weight_sync(trainer, device)
     records = []
     for it in range(args.iterations):
         trainer.iteration = it
