@@ -69,7 +69,7 @@ from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 METHODS = ("grpo", "gigpo")
 TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained")
 # the update's metrics kept in every iteration's diagnostics
-DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "reinforced_drop_max", "kl_step_halvings",
+DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps")
 
 
@@ -283,7 +283,7 @@ def run_one(task: str, method: str, seed: int, args) -> dict:
            "train_success": [h.get("success") for h in trainer.history if "success" in h],
            # how far each update moved the policy, and whether the answers kept their format
            "approx_kl_max": [h.get("approx_kl_max") for h in trainer.history if "success" in h],
-           "reinforced_drop_max": [h.get("reinforced_drop_max") for h in trainer.history if "success" in h],
+           "response_kl_max": [h.get("response_kl_max") for h in trainer.history if "success" in h],
            "train_action_valid": [h.get("action_valid") for h in trainer.history if "success" in h]}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{task}_{method}_seed{seed}.json"), "w") as f:

@@ -116,7 +116,7 @@ class DiagnosedUpdater(Updater):
             approx_kl_before=float(kl_estimate(old_lp, pre).mean()),
             approx_kl_after=float(kl_estimate(old_lp, post).mean()),
             step_kl=float(kl_estimate(pre, post).mean()),
-            response_kl_before=sum(b for b, _ in rows_kl) / max(1, len(rows_kl)),  # per response, k1
+            response_kl_before=sum(b for b, _ in rows_kl) / max(1, len(rows_kl)),  # per response, k1 (the trainer's)
             response_kl_after=sum(a for _, a in rows_kl) / max(1, len(rows_kl)))
         ratio = (post - old_lp).exp()
         q = torch.quantile(ratio, torch.tensor([0.01, 0.5, 0.99]))
@@ -149,7 +149,7 @@ def run_seed(seed: int, args) -> dict:
     trainer = DiagnosedTrainer(cfg)
     summary = trainer.train()
     history = [{k: h.get(k) for k in ("iteration", "success", "action_valid", "approx_kl", "approx_kl_max",
-                                      "reinforced_drop_max", "kl_step_halvings", "kl_steps_undone", "update_steps", "eval_success")}
+                                      "response_kl_max", "kl_step_halvings", "kl_steps_undone", "update_steps", "eval_success")}
                for h in trainer.history]
     worst = max(trainer.steps, key=lambda s: s["step_kl"], default=None)
     valid = [h["action_valid"] for h in history if h["action_valid"] is not None and h["iteration"] > 0]

@@ -388,18 +388,15 @@ def _loss_td(log_ratio, adv, mask=None, **extra):
     return td, lp
 
 
-def test_approx_kl_per_token_and_the_reinforced_responses_drop():
-    """approx_kl is k3 = (r - 1) - log r averaged over the response tokens; reinforced_drop is
-    -sum_t log r_t averaged over the rows with a positive advantage (reinforced_rows of them)."""
+def test_approx_kl_per_token_and_response_kl_per_response():
+    """approx_kl is k3 = (r - 1) - log r averaged over the response tokens; response_kl is k1 of whole
+    responses, -sum_t log r_t averaged over the rows (a row without tokens left out)."""
     k3 = lambda r: (r - 1) - math.log(r)  # noqa: E731
-    log_ratio = [[math.log(0.5), 0.0, math.log(2.0)], [math.log(0.8), 9.0, 9.0], [math.log(0.1), 9.0, 9.0],
-                 [9.0, 9.0, 9.0]]
-    mask = [[True, True, True], [True, False, False], [True, False, False], [False, False, False]]
-    out = ClipPolicyLoss(kl_coef=0.0, entropy_coef=0.0)(_loss_td(log_ratio, [1.0, 2.0, -1.0, 1.0], mask)[0])
-    assert out["approx_kl"].item() == pytest.approx((k3(0.5) + k3(2.0) + k3(0.8) + k3(0.1)) / 5, rel=1e-5)
-    # rows 0 and 1 (row 2 has a negative advantage, row 3 no token)
-    assert out["reinforced_rows"].item() == 2
-    assert out["reinforced_drop"].item() == pytest.approx(-(math.log(0.5 * 2.0) + math.log(0.8)) / 2, rel=1e-5)
+    log_ratio = [[math.log(0.5), 0.0, math.log(2.0)], [math.log(0.8), 9.0, 9.0], [9.0, 9.0, 9.0]]
+    mask = [[True, True, True], [True, False, False], [False, False, False]]
+    out = ClipPolicyLoss(kl_coef=0.0, entropy_coef=0.0)(_loss_td(log_ratio, [1.0, 1.0, 1.0], mask)[0])
+    assert out["approx_kl"].item() == pytest.approx((k3(0.5) + k3(2.0) + k3(0.8)) / 4, rel=1e-5)
+    assert out["response_kl"].item() == pytest.approx(-(math.log(0.5 * 2.0) + math.log(0.8)) / 2, rel=1e-5)
 
 
 def test_clip_and_clip_higher():
@@ -408,7 +405,7 @@ def test_clip_and_clip_higher():
     assert out["loss_objective"].item() == pytest.approx(-1.2)
     assert out["clip_fraction"].item() == 1.0 and set(out.keys()) == {"loss_objective", "clip_fraction",
                                                                        "ratio_mean", "kl", "approx_kl",
-                                                                       "reinforced_drop", "reinforced_rows"}
+                                                                       "response_kl"}
     assert out["approx_kl"].item() == pytest.approx(0.5 - math.log(1.5), rel=1e-5)  # (r - 1) - log r, r = 1.5
     out = loss(_loss_td([[math.log(0.5)]], [-1.0])[0])  # ratio 0.5, A < 0 -> clipped at 0.8
     assert out["loss_objective"].item() == pytest.approx(0.8)

@@ -330,11 +330,11 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
     assert bounded.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[0] <= 0.01 + 1e-6
-    # the budget on the reinforced responses: what the update may take from the rows it pushes up
-    guarded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'c'}", "algorithm.max_reinforced_drop=0.0"]))
-    metrics = guarded.update(rows.clone())
-    assert metrics["reinforced_drop_max"] <= 0.0  # every kept step left them at least as likely as sampled
-    assert guarded.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[1] <= 1e-6
+    # the budget per response: the same, on the KL of whole responses (k1: their mean log-ratio)
+    per_response = Trainer(compose_config([*base, f"run_dir={tmp_path / 'c'}", "algorithm.max_response_kl=0.01"]))
+    metrics = per_response.update(rows.clone())
+    assert metrics["kl_step_halvings"] >= 1 and metrics["response_kl_max"] <= 0.01
+    assert per_response.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[1] <= 0.01 + 1e-6
 
 
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):

@@ -103,8 +103,7 @@ class ClipPolicyLoss(LossModule):
     Output tensordict (no batch dim): ``loss_objective``, ``loss_kl``, ``loss_entropy`` and the
     detached diagnostics ``clip_fraction`` (share of tokens where the clipped branch is active),
     ``kl`` (``mean(logp_old - logp)``, approx KL old -> new), ``approx_kl`` (its k3 form, token mean),
-    ``reinforced_drop`` (``mean(sum_t logp_old - logp)`` over the rows with a positive advantage) and
-    ``reinforced_rows`` (their number), ``kl_ref`` (when KL is used),
+    ``response_kl`` (``mean_rows(sum_t logp_old - logp)``, the KL of whole responses, k1), ``kl_ref`` (when KL is used),
     ``entropy`` (when given) and ``ratio_mean``.
 
     Args:
@@ -143,8 +142,8 @@ class ClipPolicyLoss(LossModule):
 
     default_keys = _AcceptedKeys
     _loss_mask_key = None
-    out_keys = ["loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "kl", "approx_kl",
-                "reinforced_drop", "reinforced_rows", "kl_ref", "entropy", "ratio_mean"]
+    out_keys = ["loss_objective", "loss_kl", "loss_entropy", "clip_fraction", "kl", "approx_kl", "response_kl",
+                "kl_ref", "entropy", "ratio_mean"]
 
     def __init__(
         self,
@@ -291,13 +290,12 @@ class ClipPolicyLoss(LossModule):
             out["kl"] = torch.where(mask, old_log_prob - log_prob, 0.0).sum() / n_tokens
             # KL(sampling || current), k3 (>= 0; CleanRL's approx_kl): what algorithm.target_kl bounds
             out["approx_kl"] = torch.where(mask, kl_estimate(old_log_prob, log_prob, "k3"), 0.0).sum() / n_tokens
-            # the log-probability the policy took from the responses it reinforces (advantage > 0), in
-            # nats per response: what algorithm.max_reinforced_drop bounds. A healthy update raises them;
-            # when they fall, it took probability from what every response shares (the answer format)
-            reinforced = mask.any(-1) & (torch.where(mask, adv, 0.0).sum(-1) > 0)
-            drop = torch.where(mask, old_log_prob - log_prob, 0.0).sum(-1)
-            out["reinforced_rows"] = reinforced.sum().to(log_prob.dtype)
-            out["reinforced_drop"] = drop[reinforced].sum() / out["reinforced_rows"].clamp_min(1)
+            # KL(sampling || current) of whole responses, k1: the mean over the rows of log pi_old(y) - log pi(y),
+            # what algorithm.max_response_kl bounds. Unlike k3 it is linear in the probability that leaves
+            # the sampled tokens for ones the sampling policy seldom produced (a lost answer format)
+            rows = mask.any(-1)
+            log_ratio = torch.where(mask, old_log_prob - log_prob, 0.0).sum(-1)
+            out["response_kl"] = log_ratio[rows].sum() / rows.sum().clamp_min(1)
 
         if self.kl_coef > 0:
             ref, _ = self._tokens(tensordict, "ref_log_prob")

@@ -110,12 +110,13 @@ class AlgorithmConfig:
     # max_kl_backtracks times, then undone and the update stops (None: off). Also stops the update
     # like target_kl once a mini-batch starts over it.
     max_kl: Optional[float] = None
-    # a budget on what an update takes from the responses it reinforces: the mean over the mini-batch's
-    # rows with a positive advantage of log pi_old(y) - log pi(y) (nats per response). A healthy update
-    # raises those responses; one that lowers them is taking probability from what every response
-    # shares, the answer format first (k3 on the sampled tokens hardly sees it: the probability goes to
-    # tokens no sampled row holds). Enforced like max_kl (docs/learning.md, "Learning without cliffs"). None: off
-    max_reinforced_drop: Optional[float] = None
+    # the same budget per response: KL(sampling policy || current) of whole responses, estimated by
+    # the mean over the mini-batch's rows of log pi_old(y) - log pi(y) (k1). An update that takes a
+    # share p of the probability of the sampled responses (a lost answer format) costs about
+    # -log(1 - p), whatever their length; k3 (max_kl's estimate) sees such a move quadratically, and
+    # not at all where the probability went to tokens the sampling policy seldom produced
+    # (docs/learning.md, "Learning without cliffs"). None: off
+    max_response_kl: Optional[float] = None
     max_kl_backtracks: int = 5
     # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens
     # (rows x longest prompt+response); their gradients accumulate to exactly the mini-batch's

@@ -5,8 +5,8 @@ mini-batch (:class:`Updater`)::
         for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
             (weight * loss(scorer.loss_inputs(micro))).backward()  # accumulates the mini-batch's gradient
         clip -> AdamW step (skipped when the gradient norm is not finite)
-        algorithm.max_kl / max_reinforced_drop: the step halved or undone while the mini-batch's KL to the
-            sampling policy, or the log-probability its reinforced responses lost, is over the budget
+        algorithm.max_kl / max_response_kl: the step halved or undone while the mini-batch's KL to the
+            sampling policy is over the budget (per token / per response)
 
 The rows carry ``old_log_prob`` / ``ref_log_prob`` (:meth:`Scorer.score
 <torchrl_agent.trainers.scoring.Scorer.score>`) and ``advantage`` under the loss's ``tensor_keys``.
@@ -92,10 +92,10 @@ class Updater:
         generator = torch.Generator().manual_seed(self.cfg.seed * 7919 + iteration)
         totals: dict[str, float] = {}
         steps = skipped = halvings = undone = 0
-        kl_max = drop_max = 0.0  # the largest approx_kl / reinforced_drop measured on the policy this update kept
-        stopped = False  # algorithm.target_kl / max_kl / max_reinforced_drop: the update stopped early
+        kl_max = response_kl_max = 0.0  # the largest KL measured on the policy this update kept
+        stopped = False  # algorithm.target_kl / max_kl / max_response_kl: the update stopped early
         stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
-        budgeted = a.max_kl is not None or a.max_reinforced_drop is not None
+        budgeted = a.max_kl is not None or a.max_response_kl is not None
         self.model.train()
         for _ in range(a.epochs):
             if stopped:
@@ -112,14 +112,12 @@ class Updater:
                     total = sum(v for k, v in losses.items() if k.startswith("loss_"))
                     (weight * total).backward()  # sum over micro-batches (and ranks): the mini-batch's gradient
                     for k, v in [*losses.items(), ("loss", total)]:
-                        if k != "reinforced_rows":  # a count, for minibatch_kl
-                            step[k] = step.get(k, 0.0) + weight * v.detach()
-                    measured.append((losses, weight))
+                        step[k] = step.get(k, 0.0) + weight * v.detach()
+                    measured.append((losses, weight, len(micro) if live else 0))
                 # PPO's early stop (SB3's and CleanRL's target_kl): the policy has already moved this far
-                # from the sampling one on this mini-batch (approx_kl: k3, >= 0; or its reinforced responses
-                # lost this much log-probability); no step
+                # from the sampling one on this mini-batch (approx_kl: k3, >= 0, per token; per response); no step
                 kl_before = self.minibatch_kl(measured)
-                kl_max, drop_max = max(kl_max, kl_before[0]), max(drop_max, kl_before[1])
+                kl_max, response_kl_max = max(kl_max, kl_before[0]), max(response_kl_max, kl_before[1])
                 if self.over_budget(kl_before, stop_kl):
                     stopped = True
                     break
@@ -135,14 +133,14 @@ class Updater:
                         undone += 1
                         stopped = True
                         break
-                    kl_max, drop_max = max(kl_max, kl_after[0]), max(drop_max, kl_after[1])
+                    kl_max, response_kl_max = max(kl_max, kl_after[0]), max(response_kl_max, kl_after[1])
                 steps += 1
                 for k, v in step.items():
                     totals[k] = totals.get(k, 0.0) + reduce_mean(v)
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
         return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
-                "approx_kl_max": kl_max, "reinforced_drop_max": drop_max, "kl_step_halvings": halvings, "kl_steps_undone": undone,
+                "approx_kl_max": kl_max, "response_kl_max": response_kl_max, "kl_step_halvings": halvings, "kl_steps_undone": undone,
                 "update_steps": steps, "update_stopped_early": float(stopped)}
 
     def optimizer_step(self, iteration: int) -> tuple[float, bool]:
@@ -176,39 +174,39 @@ class Updater:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @staticmethod
-    def minibatch_kl(measured: list[tuple[TensorDictBase, float]]) -> tuple[float, float]:
-        """``(approx_kl, reinforced_drop)`` of a mini-batch, averaged over the ranks, from its
-        micro-batches' ``(loss outputs, loss weight)`` (:class:`~torchrl_agent.objectives.ClipPolicyLoss`):
-        KL(sampling || current) per token (k3, weighed as the loss weighs the micro-batches) and the
-        log-probability lost by the responses with a positive advantage (nats per response, weighed by
-        their number)."""
-        token = reduce_mean(sum(weight * losses["approx_kl"] for losses, weight in measured))
-        rows = reduce_mean(sum(losses["reinforced_rows"] for losses, _ in measured))
-        drop = reduce_mean(sum(losses["reinforced_rows"] * losses["reinforced_drop"] for losses, _ in measured))
-        return token, drop / rows if rows > 0 else 0.0
+    def minibatch_kl(measured: list[tuple[TensorDictBase, float, int]]) -> tuple[float, float]:
+        """``(approx_kl, response_kl)`` of a mini-batch, KL(sampling || current) per token (k3) and of
+        whole responses (k1, :class:`~torchrl_agent.objectives.ClipPolicyLoss`), averaged over the
+        ranks, from its micro-batches' ``(loss outputs, loss weight, rows)``: the token mean weighs them
+        as the loss does, the response mean by their rows."""
+        token = reduce_mean(sum(weight * losses["approx_kl"] for losses, weight, _ in measured))
+        rows = reduce_mean(float(sum(n for *_, n in measured)))
+        response = reduce_mean(sum(n * losses["response_kl"] for losses, _, n in measured))
+        return token, response / rows if rows > 0 else 0.0
 
     def over_budget(self, kl: tuple[float, float], max_kl: float | None) -> bool:
-        """Whether ``kl`` (:meth:`minibatch_kl`) is over ``max_kl`` or ``algorithm.max_reinforced_drop``."""
-        limit = self.cfg.algorithm.max_reinforced_drop
+        """Whether ``kl`` (:meth:`minibatch_kl`) is over ``max_kl`` per token or ``algorithm.max_response_kl``
+        per response."""
+        limit = self.cfg.algorithm.max_response_kl
         return (max_kl is not None and kl[0] > max_kl) or (limit is not None and kl[1] > limit)
 
     @torch.no_grad()
     def measure_kl(self, rows: TensorDictBase, idx: list[int], active: bool) -> tuple[float, float]:
         """:meth:`minibatch_kl` of the current policy on this rank's rows ``idx`` of a mini-batch: one
         forward pass, no gradient."""
-        return self.minibatch_kl([(self.loss(self.scorer.loss_inputs(rows, micro, live)), weight)
+        return self.minibatch_kl([(self.loss(self.scorer.loss_inputs(rows, micro, live)), weight,
+                                   len(micro) if live else 0)
                                   for micro, weight, live in self.micro_batches(rows, idx, active)])
 
     @torch.no_grad()
     def limit_step(self, rows, idx, active, before: list[torch.Tensor], iteration: int
                    ) -> tuple[tuple[float, float] | None, int]:
-        """``algorithm.max_kl`` and ``algorithm.max_reinforced_drop``, a budget for the whole update (a
+        """``algorithm.max_kl`` and ``algorithm.max_response_kl``, a KL budget for the whole update (a
         trust region, as TRPO's line search): after an optimizer step the mini-batch's KL to the sampling
-        policy and its reinforced responses' loss (:meth:`minibatch_kl`) are measured again; while one is
-        over its budget the step is halved
+        policy (:meth:`minibatch_kl`) is measured again; while it is over a budget the step is halved
         (``theta = (theta + theta_before) / 2``), at most ``max_kl_backtracks`` times; a step still over
         it is undone (the weights ``before`` it; AdamW's moments keep the gradient). Returns ``((approx_kl,
-        reinforced_drop) of the weights kept, halvings)``, the KL ``None`` when the step was undone. Every
+        response_kl) of the weights kept, halvings)``, the KL ``None`` when the step was undone. Every
         rank takes the same decisions (the KL is averaged over the ranks)."""
         a = self.cfg.algorithm
         params = self.trained_parameters()
@@ -221,8 +219,7 @@ class Updater:
                     p.add_(b - p, alpha=0.5)
         for p, b in zip(params, before):
             p.copy_(b)
-        logger.warning("iteration %d: an optimizer step moved the policy by approx_kl %.3g (its reinforced responses "
-                       "lost %.3g nats) even at 1/%d of its size (algorithm.max_kl=%s, max_reinforced_drop=%s): "
-                       "undone, the update stops here", iteration, kl[0], kl[1], 2 ** a.max_kl_backtracks, a.max_kl,
-                       a.max_reinforced_drop)
+        logger.warning("iteration %d: an optimizer step moved the policy by approx_kl %.3g (%.3g per response) "
+                       "even at 1/%d of its size (algorithm.max_kl=%s, max_response_kl=%s): undone, the update "
+                       "stops here", iteration, kl[0], kl[1], 2 ** a.max_kl_backtracks, a.max_kl, a.max_response_kl)
         return None, a.max_kl_backtracks

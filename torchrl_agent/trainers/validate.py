@@ -47,12 +47,13 @@ _AT_LEAST = {
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
-             "algorithm.target_kl", "algorithm.max_kl", "algorithm.adam_eps")
+             "algorithm.target_kl", "algorithm.max_kl", "algorithm.max_response_kl",
+             "algorithm.adam_eps")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
                  "algorithm.gamma", "algorithm.omega", "algorithm.invalid_penalty", "algorithm.eps_low",
                  "algorithm.eps_high", "algorithm.kl_coef", "algorithm.entropy_coef", "algorithm.weight_decay",
-                 "algorithm.grad_clip", "algorithm.episode_weight", "algorithm.max_reinforced_drop")
+                 "algorithm.grad_clip", "algorithm.episode_weight")
 
 
 # key -> its valid values (the registries' names are read when a config is checked: one registered later counts)
