@@ -287,15 +287,15 @@ class ClipPolicyLoss(LossModule):
         with torch.no_grad():
             out["clip_fraction"] = clipped.sum().to(log_prob.dtype) / n_tokens
             out["ratio_mean"] = torch.where(mask, ratio, 0.0).sum() / n_tokens
-            out["kl"] = torch.where(mask, old_log_prob - log_prob, 0.0).sum() / n_tokens
+            k1 = torch.where(mask, old_log_prob - log_prob, 0.0)  # logp_old - logp per token
+            out["kl"] = k1.sum() / n_tokens
             # KL(sampling || current), k3 (>= 0; CleanRL's approx_kl): what algorithm.target_kl bounds
             out["approx_kl"] = torch.where(mask, kl_estimate(old_log_prob, log_prob, "k3"), 0.0).sum() / n_tokens
             # KL(sampling || current) of whole responses, k1: the mean over the rows of log pi_old(y) - log pi(y),
             # what algorithm.max_response_kl bounds. Unlike k3 it is linear in the probability that leaves
             # the sampled tokens for ones the sampling policy seldom produced (a lost answer format)
             rows = mask.any(-1)
-            log_ratio = torch.where(mask, old_log_prob - log_prob, 0.0).sum(-1)
-            out["response_kl"] = log_ratio[rows].sum() / rows.sum().clamp_min(1)
+            out["response_kl"] = k1.sum(-1)[rows].sum() / rows.sum().clamp_min(1)
 
         if self.kl_coef > 0:
             ref, _ = self._tokens(tensordict, "ref_log_prob")
