@@ -242,14 +242,7 @@ def main(argv=None) -> dict:
         generated = sum(len(r) for r in rows.get(("tokens", "response"), as_list=True))
         lengths = [len(p) + len(r) for p, r in zip(rows.get(("tokens", "prompt"), as_list=True),
                                                    rows.get(("tokens", "response"), as_list=True))]
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        sync["s"] = 0.0
-        _sync(device)
-        t = time.perf_counter()
-        metrics = trainer.update(rows)
-        _sync(device)
-        update_s = time.perf_counter() - t - sync["s"]
+        metrics, update_s = timed_update(trainer, rows, device, sync)
         trained = a.epochs * sum(lengths)
         recomputed = sum(lengths) * (2 if a.kl_coef > 0 else 1)
         rec = {"iteration": it, "rows": len(lengths), "generated_tokens": generated, "generate_s": gen_s,
@@ -262,22 +255,46 @@ def main(argv=None) -> dict:
             print("iteration " + json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
                                              for k, v in rec.items()}), flush=True)
 
-    steady = records[1:] if len(records) > 1 else records
-
-    def total(key):
-        return sum(r[key] for r in steady)
-
     summary = {
         "benchmark": "gpu_smoke", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "world_size": world, "fsdp2": is_distributed(), "model": args.model, "params": n_params,
         "dtype": cfg.model.dtype, "gradient_checkpointing": args.gradient_checkpointing,
         "rows": args.rows, "prompt_tokens_mean": args.prompt_tokens, "max_new_tokens": args.new_tokens,
-        "micro_batch_tokens": a.micro_batch_tokens, "iterations": args.iterations, "measured_iterations": len(steady),
-        "setup_s": setup_s,
+        "micro_batch_tokens": a.micro_batch_tokens, "iterations": args.iterations, "setup_s": setup_s,
+        **steady_figures(records, world, peak, cuda),
+    }
+    if is_main_process():
+        print(json.dumps(summary), flush=True)
+    cleanup()
+    return summary
+
+
+def timed_update(trainer, rows, device: torch.device, sync: dict[str, float]) -> tuple[dict, float]:
+    """``trainer.update(rows)`` with the peak-memory counter reset first: ``(metrics, seconds)``, the
+    weight sync inside it (``sync``, :func:`timed_weight_sync`) left out of the seconds."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    sync["s"] = 0.0
+    _sync(device)
+    t = time.perf_counter()
+    metrics = trainer.update(rows)
+    _sync(device)
+    return metrics, time.perf_counter() - t - sync["s"]
+
+
+def steady_figures(records: list[dict], world: int, peak: float | None, cuda: bool) -> dict:
+    """The summary's rates over the iterations after the first (the warm-up; all of them when there is
+    one), its peaks over all of them, and the last iteration's loss and log-prob difference."""
+    steady = records[1:] if len(records) > 1 else records
+
+    def total(key):
+        return sum(r[key] for r in steady)
+
+    return {
+        "measured_iterations": len(steady),
         "gen_tokens_per_s": total("generated_tokens") / max(total("generate_s"), 1e-9),
         "train_tokens_per_s": total("trained_tokens") / max(total("update_s"), 1e-9),
-        "update_s": total("update_s") / len(steady),
-        "peak_tflops": peak,
+        "update_s": total("update_s") / len(steady), "peak_tflops": peak,
         "mfu": total("flops") / total("update_s") / (world * peak * 1e12) if peak else None,
         "peak_memory_gib": {"generate": max(r["gen_peak_memory_gib"] for r in records),
                             "update": max(r["update_peak_memory_gib"] for r in records),
@@ -285,10 +302,6 @@ def main(argv=None) -> dict:
         "weight_sync_s": total("weight_sync_s") / len(steady),
         "loss_last": records[-1]["loss"], "logprob_diff_max_last": records[-1]["logprob_diff_max"],
     }
-    if is_main_process():
-        print(json.dumps(summary), flush=True)
-    cleanup()
-    return summary
 
 
 def timed_weight_sync(trainer, device: torch.device) -> dict[str, float]:
@@ -330,14 +343,7 @@ def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
         gen_peak = _peak_gib(device)
         lengths = [len(p) + len(r) for p, r in zip(rows.get(("tokens", "prompt"), as_list=True),
                                                    rows.get(("tokens", "response"), as_list=True))]
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        sync["s"] = 0.0
-        _sync(device)
-        t = time.perf_counter()
-        metrics = trainer.update(rows)
-        _sync(device)
-        update_s = time.perf_counter() - t - sync["s"]
+        metrics, update_s = timed_update(trainer, rows, device, sync)
         image_tokens = rows["image_tokens"].reshape(-1)
         rec = {"iteration": it, "rows": len(lengths), "generated_tokens": stats["generated_tokens"],
                "generate_s": stats["generated_tokens"] / max(stats["tokens_per_s"], 1e-9),
@@ -350,27 +356,13 @@ def main_vl(args, world: int, device: torch.device, peak: float | None) -> dict:
         if is_main_process():
             print("iteration " + json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v)
                                              for k, v in rec.items()}), flush=True)
-    steady = records[1:] if len(records) > 1 else records
-
-    def total(key):
-        return sum(r[key] for r in steady)
-
     summary = {
         "benchmark": "gpu_smoke", "shape": "vl", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "world_size": world, "fsdp2": is_distributed(), "model": args.model, "params": n_params,
         "dtype": cfg.model.dtype, "gradient_checkpointing": args.gradient_checkpointing, "env": "sokoban (image)",
         "rows": records[-1]["rows"], "image_tokens_per_prompt": records[-1]["image_tokens"],
         "max_new_tokens": args.new_tokens, "micro_batch_tokens": args.micro_batch_tokens,
-        "iterations": args.iterations, "measured_iterations": len(steady), "setup_s": setup_s,
-        "gen_tokens_per_s": total("generated_tokens") / max(total("generate_s"), 1e-9),
-        "train_tokens_per_s": total("trained_tokens") / max(total("update_s"), 1e-9),
-        "update_s": total("update_s") / len(steady), "peak_tflops": peak,
-        "mfu": total("flops") / total("update_s") / (world * peak * 1e12) if peak else None,
-        "peak_memory_gib": {"generate": max(r["gen_peak_memory_gib"] for r in records),
-                            "update": max(r["update_peak_memory_gib"] for r in records),
-                            "kind": "cuda_max_allocated" if cuda else "process_max_rss"},
-        "weight_sync_s": total("weight_sync_s") / len(steady),
-        "loss_last": records[-1]["loss"], "logprob_diff_max_last": records[-1]["logprob_diff_max"],
+        "iterations": args.iterations, "setup_s": setup_s, **steady_figures(records, world, peak, cuda),
     }
     if is_main_process():
         print(json.dumps(summary), flush=True)
