@@ -70,7 +70,7 @@ METHODS = ("grpo", "gigpo")
 TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
-             "kl_steps_undone", "update_steps")
+             "kl_steps_undone", "update_steps", "update_kl", "update_kl_halvings")
 
 
 class LearningTrainer(Trainer):

@@ -117,6 +117,12 @@ class AlgorithmConfig:
     # not at all where the probability went to tokens the sampling policy seldom produced
     # (docs/learning.md, "Learning without cliffs"). None: off
     max_response_kl: Optional[float] = None
+    # a KL budget for the whole update (TRPO's line search on PPO's epochs): once the epochs are done,
+    # KL(sampling policy || updated) of whole responses (k1, as max_response_kl) is measured on ALL the
+    # update's rows; while it is over max_update_kl the update's displacement theta - theta_old is
+    # halved, up to max_kl_backtracks times, then undone. Measured on every row, not on one mini-batch
+    # (64 rows: noisy), it leaves healthy updates alone and pulls a collapsing one back. None: off
+    max_update_kl: Optional[float] = None
     max_kl_backtracks: int = 5
     # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens
     # (rows x longest prompt+response); their gradients accumulate to exactly the mini-batch's

@@ -7,6 +7,8 @@ mini-batch (:class:`Updater`)::
         clip -> AdamW step (skipped when the gradient norm is not finite)
         algorithm.max_kl / max_response_kl: the step halved or undone while the mini-batch's KL to the
             sampling policy is over the budget (per token / per response)
+    algorithm.max_update_kl: the whole update's displacement halved or undone while its KL to the
+        sampling policy over all the rows is over the budget (per response)
 
 The rows carry ``old_log_prob`` / ``ref_log_prob`` (:meth:`Scorer.score
 <torchrl_agent.trainers.scoring.Scorer.score>`) and ``advantage`` under the loss's ``tensor_keys``.
@@ -96,6 +98,7 @@ class Updater:
         stopped = False  # algorithm.target_kl / max_kl / max_response_kl: the update stopped early
         stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
         budgeted = a.max_kl is not None or a.max_response_kl is not None
+        start = [p.detach().clone() for p in self.trained_parameters()] if a.max_update_kl is not None else None
         self.model.train()
         for _ in range(a.epochs):
             if stopped:
@@ -139,9 +142,13 @@ class Updater:
                     totals[k] = totals.get(k, 0.0) + reduce_mean(v)
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
+        whole = {}
+        if start is not None and steps:
+            update_kl, update_halvings = self.limit_update(rows, start, iteration)
+            whole = {"update_kl": update_kl, "update_kl_halvings": update_halvings}
         return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
                 "approx_kl_max": kl_max, "response_kl_max": response_kl_max, "kl_step_halvings": halvings, "kl_steps_undone": undone,
-                "update_steps": steps, "update_stopped_early": float(stopped)}
+                "update_steps": steps, "update_stopped_early": float(stopped), **whole}
 
     def optimizer_step(self, iteration: int) -> tuple[float, bool]:
         """Clips the accumulated gradient and steps; returns ``(grad_norm, skipped)``.
@@ -197,6 +204,41 @@ class Updater:
         return self.minibatch_kl([(self.loss(self.scorer.loss_inputs(rows, micro, live)), weight,
                                    len(micro) if live else 0)
                                   for micro, weight, live in self.micro_batches(rows, idx, active)])
+
+    @torch.no_grad()
+    def update_kl(self, rows: TensorDictBase) -> float:
+        """KL(sampling || current) of whole responses (k1) over ALL ``rows``: the mean over the rows of
+        ``log pi_old(y) - log pi(y)``, measured mini-batch by mini-batch (:meth:`measure_kl`, no gradient),
+        the same on every rank."""
+        n, size = rows.batch_size[0], self.cfg.algorithm.minibatch_size
+        total = 0.0
+        for start in range(0, n, size):
+            chunk = torch.arange(start, min(n, start + size))
+            total += len(chunk) * self.measure_kl(rows, *shard_indices(chunk))[1]
+        return total / n
+
+    @torch.no_grad()
+    def limit_update(self, rows: TensorDictBase, start: list[torch.Tensor], iteration: int) -> tuple[float, int]:
+        """``algorithm.max_update_kl``, TRPO's line search applied to the whole update: while
+        :meth:`update_kl` of the updated policy is over the budget, the update's displacement is halved
+        (``theta = (theta + theta_start) / 2``), at most ``max_kl_backtracks`` times; still over it, the
+        update is undone (the weights ``start``; AdamW's moments keep its gradients). Returns ``(update_kl
+        of the weights kept, halvings)``; an undone update counts ``max_kl_backtracks + 1`` halvings."""
+        a = self.cfg.algorithm
+        params = self.trained_parameters()
+        for halved in range(a.max_kl_backtracks + 1):
+            kl = self.update_kl(rows)
+            if kl <= a.max_update_kl:
+                return kl, halved
+            if halved < a.max_kl_backtracks:
+                for p, s in zip(params, start):
+                    p.add_(s - p, alpha=0.5)
+        for p, s in zip(params, start):
+            p.copy_(s)
+        logger.warning("iteration %d: the update moved the policy by %.3g per response over its rows even at "
+                       "1/%d of its size (algorithm.max_update_kl=%s): undone", iteration, kl,
+                       2 ** a.max_kl_backtracks, a.max_update_kl)
+        return 0.0, a.max_kl_backtracks + 1
 
     @torch.no_grad()
     def limit_step(self, rows, idx, active, before: list[torch.Tensor], iteration: int
