@@ -337,6 +337,41 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert per_response.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[1] <= 0.01 + 1e-6
 
 
+def test_max_update_kl_pulls_the_whole_update_back_within_its_budget(tmp_path, caplog):
+    """algorithm.max_update_kl (TRPO's line search on the whole update): the epochs run as without
+    it; then the update's KL over ALL its rows (k1 per response) is measured and its displacement
+    halved until it is within the budget: the kept weights lie on the segment from the start to the
+    free update's end, and the KL measured from outside matches the metric. An update still over the
+    budget at 1/2^max_kl_backtracks of its size is undone, with a warning."""
+    from torchrl_agent.trainers import Trainer
+
+    base = [*SMALL, "algorithm.lr=3e-3", "algorithm.epochs=4", "algorithm.minibatch_size=4", "algorithm.kl_coef=0"]
+    free = Trainer(compose_config([*base, f"run_dir={tmp_path / 'a'}", "algorithm.max_update_kl=1e6"]))
+    rows = free.advantage(free.collector.collect())
+    start = {k: v.clone() for k, v in free.model.state_dict().items()}
+    scored = free.scorer.score(rows.clone())
+    metrics = free.update(rows.clone())
+    assert metrics["update_kl_halvings"] == 0 and metrics["update_kl"] > 0.03  # unbounded: past the budget below
+    assert free.updater.update_kl(scored) == pytest.approx(metrics["update_kl"], abs=1e-5)
+    end = {k: v.clone() for k, v in free.model.state_dict().items()}
+    bounded = Trainer(compose_config([*base, f"run_dir={tmp_path / 'b'}", "algorithm.max_update_kl=0.03"]))
+    metrics = bounded.update(rows.clone())
+    halvings = metrics["update_kl_halvings"]
+    assert metrics["update_steps"] > 1 and 1 <= halvings <= 5  # the same epochs, then pulled back
+    assert 0 <= metrics["update_kl"] <= 0.03
+    assert metrics["update_kl"] == pytest.approx(bounded.updater.update_kl(scored), abs=1e-5)
+    for k, v in bounded.model.state_dict().items():  # theta_start + (theta_end - theta_start) / 2^halvings
+        torch.testing.assert_close(v, start[k] + (end[k] - start[k]) / 2 ** halvings, atol=1e-6, rtol=1e-5)
+    # far past the budget (lr 5e-2: KL ~3 per response), even 1/32 of the update is over it: undone
+    far = Trainer(compose_config([*base, f"run_dir={tmp_path / 'c'}", "algorithm.lr=5e-2", "algorithm.max_update_kl=0.03"]))
+    with caplog.at_level(logging.WARNING, logger="torchrl_agent"):
+        metrics = far.update(rows.clone())
+    assert metrics["update_kl_halvings"] == 6 and metrics["update_kl"] == 0.0
+    assert "max_update_kl=0.03" in caplog.text and "undone" in caplog.text
+    for k, v in far.model.state_dict().items():
+        torch.testing.assert_close(v, start[k], atol=0, rtol=0)
+
+
 def test_loss_inputs_live_on_the_models_device(trainer_and_rows, monkeypatch):
     """The recomputed old and reference log-probs are gathered on the CPU (under torchrun), the
     current ones come from the model's device: the loss's input puts them all on the latter (the

@@ -98,7 +98,7 @@ class Updater:
         stopped = False  # algorithm.target_kl / max_kl / max_response_kl: the update stopped early
         stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
         budgeted = a.max_kl is not None or a.max_response_kl is not None
-        start = [p.detach().clone() for p in self.trained_parameters()] if a.max_update_kl is not None else None
+        theta_start = [p.detach().clone() for p in self.trained_parameters()] if a.max_update_kl is not None else None
         self.model.train()
         for _ in range(a.epochs):
             if stopped:
@@ -143,8 +143,8 @@ class Updater:
                 totals["grad_norm"] = totals.get("grad_norm", 0.0) + grad_norm
         means = {k: v / steps for k, v in totals.items()} if steps else {"loss": float("nan")}
         whole = {}
-        if start is not None and steps:
-            update_kl, update_halvings = self.limit_update(rows, start, iteration)
+        if theta_start is not None and steps:
+            update_kl, update_halvings = self.limit_update(rows, theta_start, iteration)
             whole = {"update_kl": update_kl, "update_kl_halvings": update_halvings}
         return {**means, **consistency, "lr": self.optimizer.param_groups[0]["lr"], "skipped_steps": skipped,
                 "approx_kl_max": kl_max, "response_kl_max": response_kl_max, "kl_step_halvings": halvings, "kl_steps_undone": undone,
