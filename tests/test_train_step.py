@@ -330,11 +330,6 @@ def test_max_kl_bounds_every_step_of_the_update_by_halving_or_undoing_it(tmp_pat
     assert moved == (metrics["update_steps"] > 0)  # an undone step leaves the weights as they were
     # measured again from outside: the weights kept are within the budget of the sampling policy
     assert bounded.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[0] <= 0.01 + 1e-6
-    # the budget per response: the same, on the KL of whole responses (k1: their mean log-ratio)
-    per_response = Trainer(compose_config([*base, f"run_dir={tmp_path / 'c'}", "algorithm.max_response_kl=0.01"]))
-    metrics = per_response.update(rows.clone())
-    assert metrics["kl_step_halvings"] >= 1 and metrics["response_kl_max"] <= 0.01
-    assert per_response.updater.measure_kl(scored, list(range(rows.batch_size[0])), True)[1] <= 0.01 + 1e-6
 
 
 def test_max_update_kl_pulls_the_whole_update_back_within_its_budget(tmp_path, caplog):
@@ -367,7 +362,7 @@ def test_max_update_kl_pulls_the_whole_update_back_within_its_budget(tmp_path, c
     with caplog.at_level(logging.WARNING, logger="torchrl_agent"):
         metrics = far.update(rows.clone())
     assert metrics["update_kl_halvings"] == 6 and metrics["update_kl"] == 0.0
-    assert "max_update_kl=0.03" in caplog.text and "undone" in caplog.text
+    assert "max_update_kl" in caplog.text and "undone" in caplog.text
     for k, v in far.model.state_dict().items():
         torch.testing.assert_close(v, start[k], atol=0, rtol=0)
 

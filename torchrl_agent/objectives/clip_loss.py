@@ -292,8 +292,8 @@ class ClipPolicyLoss(LossModule):
             # KL(sampling || current), k3 (>= 0; CleanRL's approx_kl): what algorithm.target_kl bounds
             out["approx_kl"] = torch.where(mask, kl_estimate(old_log_prob, log_prob, "k3"), 0.0).sum() / n_tokens
             # KL(sampling || current) of whole responses, k1: the mean over the rows of log pi_old(y) - log pi(y),
-            # what algorithm.max_response_kl bounds. Unlike k3 it is linear in the probability that leaves
-            # the sampled tokens for ones the sampling policy seldom produced (a lost answer format)
+            # what algorithm.max_update_kl bounds over all the rows. Unlike k3 it is linear in the probability
+            # that leaves the sampled tokens for ones the sampling policy seldom produced (a lost answer format)
             rows = mask.any(-1)
             out["response_kl"] = k1.sum(-1)[rows].sum() / rows.sum().clamp_min(1)
 

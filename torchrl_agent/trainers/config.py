@@ -110,18 +110,14 @@ class AlgorithmConfig:
     # max_kl_backtracks times, then undone and the update stops (None: off). Also stops the update
     # like target_kl once a mini-batch starts over it.
     max_kl: Optional[float] = None
-    # the same budget per response: KL(sampling policy || current) of whole responses, estimated by
-    # the mean over the mini-batch's rows of log pi_old(y) - log pi(y) (k1). An update that takes a
-    # share p of the probability of the sampled responses (a lost answer format) costs about
-    # -log(1 - p), whatever their length; k3 (max_kl's estimate) sees such a move quadratically, and
-    # not at all where the probability went to tokens the sampling policy seldom produced
-    # (docs/learning.md, "Learning without cliffs"). None: off
-    max_response_kl: Optional[float] = None
     # a KL budget for the whole update (TRPO's line search on PPO's epochs): once the epochs are done,
-    # KL(sampling policy || updated) of whole responses (k1, as max_response_kl) is measured on ALL the
-    # update's rows; while it is over max_update_kl the update's displacement theta - theta_old is
-    # halved, up to max_kl_backtracks times, then undone. Measured on every row, not on one mini-batch
-    # (64 rows: noisy), it leaves healthy updates alone and pulls a collapsing one back. None: off
+    # KL(sampling policy || updated) of whole responses is measured on ALL the update's rows, by k1: the
+    # mean over the rows of log pi_old(y) - log pi(y). An update that takes a share p of the probability
+    # of the sampled responses (a lost answer format) costs about -log(1 - p) in it; max_kl's k3 sees
+    # such a move quadratically, and not at all where the probability went to tokens the sampling policy
+    # seldom produced. While it is over max_update_kl, the update's displacement theta - theta_old is
+    # halved, up to max_kl_backtracks times, then undone. Measured on every row (not on one noisy
+    # mini-batch), it leaves healthy updates alone (docs/learning.md, "Learning without cliffs"). None: off
     max_update_kl: Optional[float] = None
     max_kl_backtracks: int = 5
     # memory of one step: a mini-batch runs as micro-batches of at most this many padded tokens

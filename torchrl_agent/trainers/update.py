@@ -5,10 +5,10 @@ mini-batch (:class:`Updater`)::
         for micro, weight in micro_batches(minibatch):   # at most `micro_batch_tokens` padded tokens
             (weight * loss(scorer.loss_inputs(micro))).backward()  # accumulates the mini-batch's gradient
         clip -> AdamW step (skipped when the gradient norm is not finite)
-        algorithm.max_kl / max_response_kl: the step halved or undone while the mini-batch's KL to the
-            sampling policy is over the budget (per token / per response)
+        algorithm.max_kl: the step halved or undone while the mini-batch's KL to the sampling policy
+            is over the budget (k3 per token)
     algorithm.max_update_kl: the whole update's displacement halved or undone while its KL to the
-        sampling policy over all the rows is over the budget (per response)
+        sampling policy over all the rows is over the budget (k1 per response)
 
 The rows carry ``old_log_prob`` / ``ref_log_prob`` (:meth:`Scorer.score
 <torchrl_agent.trainers.scoring.Scorer.score>`) and ``advantage`` under the loss's ``tensor_keys``.
@@ -95,9 +95,8 @@ class Updater:
         totals: dict[str, float] = {}
         steps = skipped = halvings = undone = 0
         kl_max = response_kl_max = 0.0  # the largest KL measured on the policy this update kept
-        stopped = False  # algorithm.target_kl / max_kl / max_response_kl: the update stopped early
+        stopped = False  # algorithm.target_kl / max_kl: the update stopped early
         stop_kl = min((k for k in (a.target_kl, a.max_kl) if k is not None), default=None)
-        budgeted = a.max_kl is not None or a.max_response_kl is not None
         theta_start = [p.detach().clone() for p in self.trained_parameters()] if a.max_update_kl is not None else None
         self.model.train()
         for _ in range(a.epochs):
@@ -118,13 +117,13 @@ class Updater:
                         step[k] = step.get(k, 0.0) + weight * v.detach()
                     measured.append((losses, weight, len(micro) if live else 0))
                 # PPO's early stop (SB3's and CleanRL's target_kl): the policy has already moved this far
-                # from the sampling one on this mini-batch (approx_kl: k3, >= 0, per token; per response); no step
+                # from the sampling one on this mini-batch (approx_kl: k3, >= 0, per token); no step
                 kl_before = self.minibatch_kl(measured)
                 kl_max, response_kl_max = max(kl_max, kl_before[0]), max(response_kl_max, kl_before[1])
-                if self.over_budget(kl_before, stop_kl):
+                if stop_kl is not None and kl_before[0] > stop_kl:
                     stopped = True
                     break
-                before = [p.detach().clone() for p in self.trained_parameters()] if budgeted else None
+                before = [p.detach().clone() for p in self.trained_parameters()] if a.max_kl is not None else None
                 grad_norm, was_skipped = self.optimizer_step(iteration)
                 skipped += was_skipped
                 if was_skipped:
@@ -191,12 +190,6 @@ class Updater:
         response = reduce_mean(sum(n * losses["response_kl"] for losses, _, n in measured))
         return token, response / rows if rows > 0 else 0.0
 
-    def over_budget(self, kl: tuple[float, float], max_kl: float | None) -> bool:
-        """Whether ``kl`` (:meth:`minibatch_kl`) is over ``max_kl`` per token or ``algorithm.max_response_kl``
-        per response."""
-        limit = self.cfg.algorithm.max_response_kl
-        return (max_kl is not None and kl[0] > max_kl) or (limit is not None and kl[1] > limit)
-
     @torch.no_grad()
     def measure_kl(self, rows: TensorDictBase, idx: list[int], active: bool) -> tuple[float, float]:
         """:meth:`minibatch_kl` of the current policy on this rank's rows ``idx`` of a mini-batch: one
@@ -218,50 +211,49 @@ class Updater:
         return total / n
 
     @torch.no_grad()
-    def limit_update(self, rows: TensorDictBase, start: list[torch.Tensor], iteration: int) -> tuple[float, int]:
-        """``algorithm.max_update_kl``, TRPO's line search applied to the whole update: while
-        :meth:`update_kl` of the updated policy is over the budget, the update's displacement is halved
-        (``theta = (theta + theta_start) / 2``), at most ``max_kl_backtracks`` times; still over it, the
-        update is undone (the weights ``start``; AdamW's moments keep its gradients). Returns ``(update_kl
-        of the weights kept, halvings)``; an undone update counts ``max_kl_backtracks + 1`` halvings."""
-        a = self.cfg.algorithm
+    def line_search(self, anchor: list[torch.Tensor], measure, within) -> tuple[object | None, int]:
+        """TRPO's backtracking line search on the trained parameters: while ``within(measure())`` is
+        false, their displacement from ``anchor`` is halved (``theta = (theta + anchor) / 2``), at most
+        ``algorithm.max_kl_backtracks`` times; still outside, they are reset to ``anchor`` (AdamW's moments
+        keep the gradients). Returns ``(the last measure, halvings)``, the measure ``None`` when reset.
+        Every rank takes the same decisions (the measures are averaged over the ranks)."""
         params = self.trained_parameters()
-        for halved in range(a.max_kl_backtracks + 1):
-            kl = self.update_kl(rows)
-            if kl <= a.max_update_kl:
-                return kl, halved
-            if halved < a.max_kl_backtracks:
-                for p, s in zip(params, start):
-                    p.add_(s - p, alpha=0.5)
-        for p, s in zip(params, start):
-            p.copy_(s)
-        logger.warning("iteration %d: the update moved the policy by %.3g per response over its rows even at "
-                       "1/%d of its size (algorithm.max_update_kl=%s): undone", iteration, kl,
-                       2 ** a.max_kl_backtracks, a.max_update_kl)
-        return 0.0, a.max_kl_backtracks + 1
+        for halved in range(self.cfg.algorithm.max_kl_backtracks + 1):
+            measured = measure()
+            if within(measured):
+                return measured, halved
+            if halved < self.cfg.algorithm.max_kl_backtracks:
+                for p, b in zip(params, anchor):
+                    p.add_(b - p, alpha=0.5)
+        for p, b in zip(params, anchor):
+            p.copy_(b)
+        return None, self.cfg.algorithm.max_kl_backtracks
 
-    @torch.no_grad()
     def limit_step(self, rows, idx, active, before: list[torch.Tensor], iteration: int
                    ) -> tuple[tuple[float, float] | None, int]:
-        """``algorithm.max_kl`` and ``algorithm.max_response_kl``, a KL budget for the whole update (a
-        trust region, as TRPO's line search): after an optimizer step the mini-batch's KL to the sampling
-        policy (:meth:`minibatch_kl`) is measured again; while it is over a budget the step is halved
-        (``theta = (theta + theta_before) / 2``), at most ``max_kl_backtracks`` times; a step still over
-        it is undone (the weights ``before`` it; AdamW's moments keep the gradient). Returns ``((approx_kl,
-        response_kl) of the weights kept, halvings)``, the KL ``None`` when the step was undone. Every
-        rank takes the same decisions (the KL is averaged over the ranks)."""
+        """``algorithm.max_kl``, a KL budget for every step of the update (a trust region): after an
+        optimizer step the mini-batch's KL to the sampling policy (:meth:`minibatch_kl`, k3 per token) is
+        measured again and the step is line-searched (:meth:`line_search`) from the weights ``before``
+        it. Returns ``((approx_kl, response_kl) of the weights kept, halvings)``, the KL ``None`` when the
+        step was undone."""
         a = self.cfg.algorithm
-        params = self.trained_parameters()
-        for halved in range(a.max_kl_backtracks + 1):
-            kl = self.measure_kl(rows, idx, active)
-            if not self.over_budget(kl, a.max_kl):
-                return kl, halved
-            if halved < a.max_kl_backtracks:
-                for p, b in zip(params, before):
-                    p.add_(b - p, alpha=0.5)
-        for p, b in zip(params, before):
-            p.copy_(b)
-        logger.warning("iteration %d: an optimizer step moved the policy by approx_kl %.3g (%.3g per response) "
-                       "even at 1/%d of its size (algorithm.max_kl=%s, max_response_kl=%s): undone, the update "
-                       "stops here", iteration, kl[0], kl[1], 2 ** a.max_kl_backtracks, a.max_kl, a.max_response_kl)
-        return None, a.max_kl_backtracks
+        kl, halved = self.line_search(before, lambda: self.measure_kl(rows, idx, active), lambda kl: kl[0] <= a.max_kl)
+        if kl is None:
+            logger.warning("iteration %d: an optimizer step moved the policy by more than approx_kl %s even at 1/%d "
+                           "of its size (algorithm.max_kl): undone, the update stops here",
+                           iteration, a.max_kl, 2 ** a.max_kl_backtracks)
+        return kl, halved
+
+    def limit_update(self, rows: TensorDictBase, start: list[torch.Tensor], iteration: int) -> tuple[float, int]:
+        """``algorithm.max_update_kl``, a KL budget for the whole update: once its epochs are done,
+        :meth:`update_kl` (k1 per response over all the rows) is line-searched (:meth:`line_search`)
+        from the update's starting weights ``start``. Returns ``(update_kl of the weights kept,
+        halvings)``; an undone update counts ``max_kl_backtracks + 1`` halvings and KL 0."""
+        a = self.cfg.algorithm
+        kl, halved = self.line_search(start, lambda: self.update_kl(rows), lambda kl: kl <= a.max_update_kl)
+        if kl is None:
+            logger.warning("iteration %d: the update moved the policy by more than %s per response over its rows "
+                           "even at 1/%d of its size (algorithm.max_update_kl): undone",
+                           iteration, a.max_update_kl, 2 ** a.max_kl_backtracks)
+            return 0.0, halved + 1
+        return kl, halved

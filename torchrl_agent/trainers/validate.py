@@ -47,8 +47,7 @@ _AT_LEAST = {
 }
 # finite and > 0
 _POSITIVE = ("algorithm.lr", "warm_start.lr", "eval.timeout", "algorithm.critic_lr", "collective_timeout_s",
-             "algorithm.target_kl", "algorithm.max_kl", "algorithm.max_response_kl",
-             "algorithm.max_update_kl",
+             "algorithm.target_kl", "algorithm.max_kl", "algorithm.max_update_kl",
              "algorithm.adam_eps")
 # finite and >= 0
 _NON_NEGATIVE = ("rollout.temperature", "rollout.eval_temperature", "rollout.logprob_warn_threshold",
