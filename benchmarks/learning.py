@@ -67,7 +67,7 @@ from torchrl_agent.trainers.cli import compose_config  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
-TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained")
+TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained", "vision")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps", "update_kl", "update_kl_halvings")

@@ -32,6 +32,8 @@ the :attr:`~TextGame.VISUAL_OBSERVATION` line (so the prompt holds both the text
 placeholder), ``task`` the text mode's. The ``anchor`` is the hash of the text
 state in every modality, so GiGPO groups the same states whatever the policy sees. (The option is
 not called ``observation``: NumberLine's ``observation`` already chooses how its text is written.)
+``blank_images=True`` is a control: every frame is black (same shape), so a policy that still
+learns in image mode reads the state from somewhere else than the frame.
 
 Group seeding: the ``group_size`` games of a group start from the same seed, so they share
 their initial state. Training and evaluation seeds are disjoint: training episodes take even
@@ -146,6 +148,7 @@ class TextEnv(EnvBase):
         seed: seeds the training seed generator, and offsets the evaluation panel.
         modality: ``"text"``, ``"image"`` or ``"both"`` (see the module docstring); the images
             need a game with :attr:`TextGame.image_shape`.
+        blank_images: every frame black (a control, see the module docstring); needs images.
     """
 
     batch_locked = True
@@ -160,6 +163,7 @@ class TextEnv(EnvBase):
         split: Literal["train", "eval"] = "train",
         seed: int = 0,
         modality: Literal["text", "image", "both"] = "text",
+        blank_images: bool = False,
     ):
         if num_groups < 1 or group_size < 1:
             raise ValueError(f"num_groups and group_size must be >= 1, got {num_groups}, {group_size}")
@@ -173,6 +177,9 @@ class TextEnv(EnvBase):
         self.games = [game_factory() for _ in range(num_groups * group_size)]
         self.modality = modality
         self.image_shape, self.visual_task, self.visual_observation = visual_setup(self.games[0], modality)
+        if blank_images and modality == "text":
+            raise ValueError("blank_images=True blanks the frames of modality='image' or 'both'; modality is 'text'")
+        self.blank_images = blank_images
         self._episodes_started = 0  # groups started so far (the eval panel's cursor)
         self._group_seeds = [0] * num_groups
         self._step_count = np.zeros(self.batch_size[0], dtype=np.int64)
@@ -276,9 +283,10 @@ class TextEnv(EnvBase):
         result = game.reset(argument) if command == "reset" else checked_step(game, argument)
         if self.modality == "text":
             return result
+        image = np.zeros(self.image_shape, dtype=np.uint8) if self.blank_images else game.render_image()
         if command == "reset":
-            return replace(result, image=game.render_image())
-        return (replace(result[0], image=game.render_image()), *result[1:])
+            return replace(result, image=image)
+        return (replace(result[0], image=image), *result[1:])
 
     def _fault(self, i: int, err: BaseException) -> None:
         """Log and keep the reason game ``i`` failed (its episode is ended by the caller)."""

@@ -7,6 +7,9 @@
   rows of cards under a label, and a line of text at the bottom.
 * :func:`numberline_frame`: NumberLine's 300x300x3 line: ticks ``0..max_position``, the target a
   red flag above its tick, the position a blue marker under its tick.
+* :func:`numberline_strip` (ours): the line seen from the marker, one 28-pixel cell per offset
+  ``-max_position..max_position``: the marker the blue middle cell, the target a red cell, the line
+  light grey, past its ends dark grey. One cell is one image token of a Qwen2-VL-family processor.
 
 Every frame is a uint8 ``[H, W, 3]`` array, a pure function of the state (PIL's bundled font, no
 file and no download).
@@ -18,10 +21,11 @@ import functools
 
 import numpy as np
 
-__all__ = ["TILE", "CARD_TABLE_SIZE", "card_table", "numberline_frame", "sokoban_frame"]
+__all__ = ["TILE", "CARD_TABLE_SIZE", "STRIP_CELL", "card_table", "numberline_frame", "numberline_strip", "sokoban_frame"]
 
 TILE = 16
 CARD_TABLE_SIZE = 300
+STRIP_CELL = 28  # a Qwen2-VL-family image token: 2x2 patches of 14 pixels
 SUITS = ("spades", "hearts", "diamonds", "clubs")
 
 _FELT, _WHITE, _BLACK, _RED = (0, 110, 60), (255, 255, 255), (0, 0, 0), (200, 20, 20)
@@ -188,3 +192,17 @@ def numberline_frame(position: int, target: int, max_position: int) -> np.ndarra
     px = x_of(position)  # the marker: a triangle pointing up at the line
     draw.polygon([(px, y + 12), (px - 12, y + 40), (px + 12, y + 40)], fill=(30, 80, 230))
     return np.asarray(image, dtype=np.uint8).copy()
+
+
+def numberline_strip(position: int, target: int, max_position: int) -> np.ndarray:
+    """A ``28 x 28(2 max_position + 1) x 3`` frame of the line seen from the marker: cell ``k`` is the
+    offset ``k - max_position`` from it, so the marker is always the middle cell (blue), the target
+    the red cell ``target - position`` away, the rest of the line light grey and the cells past its
+    ends dark grey. The direction to move is where the red cell lies: a reading of the frame alone."""
+    colors = [(60, 60, 60)] * (2 * max_position + 1)
+    for value in range(max_position + 1):
+        colors[value - position + max_position] = (200, 200, 200)
+    colors[target - position + max_position] = _RED
+    colors[max_position] = (30, 80, 230)
+    strip = np.array(colors, dtype=np.uint8).repeat(STRIP_CELL, axis=0)  # [W, 3]
+    return np.ascontiguousarray(np.broadcast_to(strip, (STRIP_CELL, *strip.shape)))

@@ -15,9 +15,12 @@ Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The
 your right.", the offset the way the BabyAI rendering gives its objects: a model reads the move off a
 word). Both describe the same state; only the reading differs.
 
-The frame (``modality="image"`` or ``"both"``): 300x300x3, the line with its ticks, the target a red
-flag and the position a blue marker (:func:`~torchrl_agent.envs.games.images.numberline_frame`); in
-image mode the observation text only says where the image goes.
+The frame (``modality="image"`` or ``"both"``), chosen by ``frame``: ``"table"`` (the reference's
+card-table size, 300x300x3: the line with its ticks, the target a red flag and the position a blue
+marker, :func:`~torchrl_agent.envs.games.images.numberline_frame`) or ``"strip"`` (ours: the line
+seen from the marker, one 28-pixel cell per offset, ``28 x 28(2 max_position + 1)``: a few image
+tokens, :func:`~torchrl_agent.envs.games.images.numberline_strip`). In image mode the observation
+text only says where the image goes.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from torchrl_agent.envs.base import IMAGE_PLACEHOLDER, GameState, TextEnv, TextGame
-from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, numberline_frame
+from torchrl_agent.envs.games.images import CARD_TABLE_SIZE, STRIP_CELL, numberline_frame, numberline_strip
 from torchrl_agent.envs.transforms.projection import gym_cards_rule, register_format
 from torchrl_agent.envs.transforms.templates import TAGS_INSTRUCTION, ReferenceTemplate, register_template
 
@@ -38,14 +41,23 @@ class NumberLineGame(TextGame):
     ACTIONS = ("-", "+")
 
     OBSERVATIONS = ("absolute", "relative")
+    FRAMES = ("table", "strip")
     image_shape = (CARD_TABLE_SIZE, CARD_TABLE_SIZE, 3)
     VISUAL_OBSERVATION = (f"The line is shown in the image, the target as a red flag and your position as a "
                           f"blue marker: {IMAGE_PLACEHOLDER}")
+    STRIP_OBSERVATION = (f"The line is shown in the image, seen from you: you are the blue cell in the middle, "
+                         f"the target is the red cell: {IMAGE_PLACEHOLDER}")
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 invalid_reward: float = 0.0, observation: str = "absolute"):
+                 invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table"):
         if observation not in self.OBSERVATIONS:
             raise ValueError(f"NumberLine: observation must be one of {self.OBSERVATIONS}, got {observation!r}")
+        if frame not in self.FRAMES:
+            raise ValueError(f"NumberLine: frame must be one of {self.FRAMES}, got {frame!r}")
+        self.frame = frame
+        if frame == "strip":
+            self.image_shape = (STRIP_CELL, STRIP_CELL * (2 * max_position + 1), 3)
+            self.VISUAL_OBSERVATION = self.STRIP_OBSERVATION
         if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
             raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
                              f"({max_distance}) <= max_position ({max_position})")
@@ -73,6 +85,8 @@ class NumberLineGame(TextGame):
         return self._state(), (0.0 if after < before else -1.0), False, False
 
     def render_image(self) -> np.ndarray:
+        if self.frame == "strip":
+            return numberline_strip(self.position, self.target, self.max_position)
         return numberline_frame(self.position, self.target, self.max_position)
 
     def _state(self) -> GameState:
@@ -96,10 +110,11 @@ class NumberLineEnv(TextEnv):
     """A batch of NumberLine games. See :class:`~torchrl_agent.envs.base.TextEnv` for the keys."""
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 invalid_reward: float = 0.0, observation: str = "absolute", max_steps: int = 10, **kwargs):
-        NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation)  # check the arguments now
-        super().__init__(lambda: NumberLineGame(max_position, min_distance, max_distance, invalid_reward, observation),
-                         max_steps=max_steps, **kwargs)
+                 invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
+                 max_steps: int = 10, **kwargs):
+        args = (max_position, min_distance, max_distance, invalid_reward, observation, frame)
+        NumberLineGame(*args)  # check the arguments now
+        super().__init__(lambda: NumberLineGame(*args), max_steps=max_steps, **kwargs)
 
 
 # ------------------------------------------------------------------------------ prompts and parsing
