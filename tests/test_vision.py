@@ -54,9 +54,10 @@ def test_anchor_and_frames_agree_across_modalities(name):
 
 
 def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
-    """frame="strip" (the learning benchmark's vision task): the line seen from the marker, one 28-px
-    cell per offset; the marker is the blue middle cell and the target's red cell lies at the text
-    state's offset, step after step. blank_images=True: the same episodes, every frame black."""
+    """frame="strip" (the learning benchmark's vision task): the line seen from the marker, a column
+    of one 28-px cell per offset; the marker is the blue middle cell and the target's red cell lies at
+    the text state's offset (below: right), step after step. blank_images=True: the same episodes,
+    every frame black."""
     from torchrl_agent.envs.games.images import STRIP_CELL
 
     kwargs = dict(num_groups=4, group_size=1, seed=5, max_position=9, min_distance=6, observation="relative")
@@ -66,7 +67,7 @@ def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
     for e in (env, text, blank):  # (each draws its next training seeds the same way)
         check_env_specs(e)
     for e in (env, blank):
-        assert e.observation_spec["pixels"].shape == (4, STRIP_CELL, STRIP_CELL * 19, 3)
+        assert e.observation_spec["pixels"].shape == (4, STRIP_CELL * 19, STRIP_CELL, 3)
     tds = [env.reset(), text.reset(), blank.reset()]
     for _ in range(3):
         td, td_text, td_blank = tds
@@ -74,7 +75,7 @@ def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
         assert not td_blank["pixels"].any() and td["pixels"].any()
         assert len(set(td["observation"])) == 1 and "red cell" in td["observation"][0]  # the text says nothing
         for frame, observation in zip(td["pixels"], td_text["observation"]):
-            cells = frame[STRIP_CELL // 2, STRIP_CELL // 2::STRIP_CELL].tolist()  # one pixel per cell
+            cells = frame[STRIP_CELL // 2::STRIP_CELL, STRIP_CELL // 2].tolist()  # one pixel per cell, top to bottom
             assert len(cells) == 19 and cells[9] == [30, 80, 230]  # the marker: the middle cell
             words = observation.split()  # "The target is K steps to your right." / "... left."
             offset = int(words[3]) * (1 if words[-1] == "right." else -1) if words[1] == "target" else 0
@@ -90,7 +91,7 @@ def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
 
 
 def test_tiny_vl_reads_the_strip_as_one_token_per_cell():
-    """The vision task's strip at model.min_pixels=0: 28 x 532 pixels, 2 x 38 patches of 14, merged
+    """The vision task's strip at model.min_pixels=0: 532 x 28 pixels, 38 x 2 patches of 14, merged
     2x2: 19 image tokens, one per cell of the line."""
     from torchrl_agent.models.tiny_vl import build_tiny_vl, load_tiny_vl
     from torchrl_agent.modules.vision import prompt_with_image
@@ -98,7 +99,7 @@ def test_tiny_vl_reads_the_strip_as_one_token_per_cell():
     _, processor = load_tiny_vl(build_tiny_vl(seed=0))
     frame = make_env("numberline", modality="image", frame="strip", max_position=9, seed=0).reset()["pixels"][0]
     prompt, inputs = prompt_with_image(processor, "Move: <image>", frame.numpy(), min_pixels=0)
-    assert inputs["image_grid_thw"].tolist() == [[1, 2, 38]] and prompt.count("<|image_pad|>") == 19
+    assert inputs["image_grid_thw"].tolist() == [[1, 38, 2]] and prompt.count("<|image_pad|>") == 19
 
 
 def test_sokoban_frame_draws_the_room():

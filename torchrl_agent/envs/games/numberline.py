@@ -18,9 +18,9 @@ word). Both describe the same state; only the reading differs.
 The frame (``modality="image"`` or ``"both"``), chosen by ``frame``: ``"table"`` (the reference's
 card-table size, 300x300x3: the line with its ticks, the target a red flag and the position a blue
 marker, :func:`~torchrl_agent.envs.games.images.numberline_frame`) or ``"strip"`` (ours: the line
-seen from the marker, one 28-pixel cell per offset, ``28 x 28(2 max_position + 1)``: a few image
-tokens, :func:`~torchrl_agent.envs.games.images.numberline_strip`). In image mode the observation
-text only says where the image goes.
+seen from the marker, a column of one 28-pixel cell per offset, ``28(2 max_position + 1) x 28``: a few
+image tokens, :func:`~torchrl_agent.envs.games.images.numberline_strip`). In image mode the
+observation text only says where the image goes.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ class NumberLineGame(TextGame):
     image_shape = (CARD_TABLE_SIZE, CARD_TABLE_SIZE, 3)
     VISUAL_OBSERVATION = (f"The line is shown in the image, the target as a red flag and your position as a "
                           f"blue marker: {IMAGE_PLACEHOLDER}")
-    STRIP_OBSERVATION = (f"The line is shown in the image, seen from you: you are the blue cell in the middle, "
-                         f"the target is the red cell: {IMAGE_PLACEHOLDER}")
+    STRIP_OBSERVATION = (f"The line is shown in the image as a column, its numbers growing downwards, seen from "
+                         f"you: you are the blue cell in the middle, the target is the red cell: {IMAGE_PLACEHOLDER}")
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table"):
@@ -56,7 +56,7 @@ class NumberLineGame(TextGame):
             raise ValueError(f"NumberLine: frame must be one of {self.FRAMES}, got {frame!r}")
         self.frame = frame
         if frame == "strip":
-            self.image_shape = (STRIP_CELL, STRIP_CELL * (2 * max_position + 1), 3)
+            self.image_shape = (STRIP_CELL * (2 * max_position + 1), STRIP_CELL, 3)
             self.VISUAL_OBSERVATION = self.STRIP_OBSERVATION
         if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
             raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
