@@ -395,3 +395,15 @@ def test_pretrained_task_starts_from_the_zero_shot_model(tmp_path):
     update = next(m for m in metrics if "update_steps" in m)
     assert update["update_steps"] == 1 and math.isfinite(update["grad_norm"])
     assert "kl_ref" in update and update["approx_kl_max"] <= cfg.algorithm.max_kl  # the KL to the start is in the loss
+
+
+def test_vision_probe_prints_its_json_last(tmp_path):
+    """benchmarks/vision_probe.py (can the tiny VLM read a frame layout, supervised): at step 0 the
+    accuracy over the 90 states of the vision task is measured and printed as the last line's JSON."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vision_probe.py"), "--steps", "0",
+                          "--layout", "row"], capture_output=True, text=True, timeout=600, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["layout"] == "row" and result["steps"] == 0
+    assert [p["step"] for p in result["curve"]] == [0] and 0.0 <= result["final_accuracy"] <= 1.0
