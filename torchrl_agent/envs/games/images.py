@@ -204,7 +204,7 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
 
     A column, not a row: Qwen2-VL's M-RoPE gives an image's width the lowest rotary frequencies of a
     head and its height the next ones. At the tiny VLM's head size (32, sections ``[4, 6, 6]``) the
-    width's turn under 0.006 rad per token, so 19 cells side by side look alike to its attention
+    width's turn by 0.0002-0.003 rad per token, so 19 cells side by side look alike to its attention
     (trained on the expert's moves, a row stayed at 50% correct after 300 steps; this column reached
     100% in 200: docs/vision.md)."""
     colors = [(60, 60, 60)] * (2 * max_position + 1)
