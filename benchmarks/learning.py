@@ -35,6 +35,10 @@ Task ``pretrained`` (issue 36) is the exception to the above: SmolLM2-135M-Instr
 reference's prompt and parsing, GiGPO with the KL term to the start (run it with
 ``--tasks pretrained --methods gigpo``; its config says why each setting).
 
+Task ``vision`` (issue 33) runs the bundled tiny VLM (``tiny-vl``) on the long NumberLine seen only as
+an image (a column of cells, the text one fixed sentence), lr 2e-3 and 40 iterations; docs/vision.md
+has why. ``--set env.kwargs.blank_images=true`` is its control (every frame black).
+
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
 JSON in ``--out`` is reused, so an interrupted benchmark resumes; ``--report`` runs nothing and
 summarises the finished runs of the asked tasks, methods and seeds (the missing ones named on
