@@ -40,7 +40,8 @@ an image (a column of cells, the text one fixed sentence), lr 2e-3 and 40 iterat
 has why. ``--set env.kwargs.blank_images=true`` is its control (every frame black).
 
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
-JSON in ``--out`` is reused, so an interrupted benchmark resumes; ``--report`` runs nothing and
+JSON in ``--out`` is reused, so an interrupted benchmark resumes (a run interrupted before its JSON
+starts again from the beginning: :func:`start_over`); ``--report`` runs nothing and
 summarises the finished runs of the asked tasks, methods and seeds (the missing ones named on
 stderr; the paired comparison covers the seeds both methods finished).
 ``--diagnose TASK`` runs one GRPO seed of TASK and prints the per-iteration diagnostics only
@@ -56,6 +57,7 @@ import math
 import multiprocessing
 import os
 import random
+import shutil
 import statistics
 import sys
 import time
@@ -68,6 +70,7 @@ import torch  # noqa: E402
 from torchrl_agent.collectors import StepCollector, episode_metrics  # noqa: E402
 from torchrl_agent.envs.workers import die_with_parent  # noqa: E402
 from torchrl_agent.trainers.cli import compose_config  # noqa: E402
+from torchrl_agent.trainers.run_dir import RunDirLock  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
@@ -272,9 +275,26 @@ def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
     return out + list(args.set or [])
 
 
+def start_over(run_dir: str) -> None:
+    """Take ``run_dir``'s lock for this process (a live run there, say a second benchmark on the same
+    ``--out``, is refused) and delete what an interrupted run of it left (``metrics.jsonl``,
+    ``checkpoints/``): a run without its JSON starts again from the beginning (runs are deterministic
+    per seed, so it gives what the interrupted one would have)."""
+    from pathlib import Path
+
+    RunDirLock(run_dir).acquire()  # the Trainer of this process then holds it already
+    left = [Path(run_dir) / name for name in ("metrics.jsonl", "checkpoints") if (Path(run_dir) / name).exists()]
+    if left:
+        print(f"{run_dir}: an interrupted run, started again ({', '.join(p.name for p in left)} deleted)",
+              file=sys.stderr, flush=True)
+        for path in left:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
 def run_one(task: str, method: str, seed: int, args) -> dict:
     """One training run in this process; returns its curves, diagnostics and timings."""
     cfg = compose_config(overrides_for(task, method, seed, args))
+    start_over(cfg.run_dir)
     t0 = time.perf_counter()
     trainer = LearningTrainer(cfg, diagnose=bool(args.diagnose))
     summary = trainer.train()

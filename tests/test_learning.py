@@ -407,3 +407,40 @@ def test_vision_probe_prints_its_json_last(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["layout"] == "row" and result["steps"] == 0
     assert [p["step"] for p in result["curve"]] == [0] and 0.0 <= result["final_accuracy"] <= 1.0
+
+
+def test_an_interrupted_run_starts_again_and_a_live_one_is_left_alone(tmp_path):
+    """A run killed before its JSON leaves its folder (metrics, checkpoints, a stale lock): the next
+    benchmark deletes what it left and takes the folder (the Trainer would refuse a folder that holds
+    a run); a folder held by a live process (a second benchmark on the same ``--out``) is refused
+    and kept as it is."""
+    import socket
+    import subprocess
+
+    import pytest
+
+    from torchrl_agent.trainers.run_dir import RunDirBusyError, _start_time
+
+    learning = _learning_module()
+    run_dir = tmp_path / "numberline_grpo_seed3"
+    (run_dir / "checkpoints" / "iter_2").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (run_dir / ".lock").write_text(json.dumps({"pid": int(dead.stdout), "host": socket.gethostname()}))
+    learning.start_over(str(run_dir))
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+    assert json.loads((run_dir / ".lock").read_text())["pid"] == os.getpid()
+
+    busy = tmp_path / "numberline_grpo_seed4"
+    busy.mkdir()
+    (busy / "metrics.jsonl").write_text('{"iteration": 1}\n')
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (busy / ".lock").write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(),
+                                                "started": _start_time(holder.pid)}))
+        with pytest.raises(RunDirBusyError, match="held by a running run"):
+            learning.start_over(str(busy))
+        assert (busy / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
