@@ -20,11 +20,13 @@ moves the policy: KL(old || new) on the sampled tokens and the clip fraction, th
 Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thread each.
 Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
 line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "warm_start_only": W,
-"methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C}}}``: ``M`` holds per seed the final
-evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
+"methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C, "vs_gigpo": {METHOD: C}}}}``: ``M`` holds
+per seed the final evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
 evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
 the same weights for both methods); ``C`` GiGPO minus GRPO paired over seeds, with a 95% t and
-bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0)::
+bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0);
+``vs_gigpo`` the same for every other method of ``--methods`` minus GiGPO (e.g. ``--methods gigpo
+hgpo graphgpo grpo``)::
 
     python benchmarks/learning.py [--tasks numberline babyai] [--seeds 0 .. 9] [--jobs 2]
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
@@ -74,6 +76,11 @@ from torchrl_agent.trainers.run_dir import RunDirLock  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
+#: What a method needs beyond its task's recipe; everything else is shared, so a comparison is one of
+#: advantage estimators. GraphGPO's step return is ``10 * gamma^d`` (``d``: hops from the next state to
+#: success in the group's state graph): at the recipes' ``gamma`` 0 (chosen for GiGPO's
+#: immediate-reward step term) the config refuses it; it gets the reference's 0.95.
+METHOD_SETTINGS = {"graphgpo": ["algorithm.gamma=0.95"]}
 TASKS = ("numberline", "babyai", "ezpoints", "sokoban", "pretrained", "vision")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
@@ -265,7 +272,7 @@ def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
 
 def overrides_for(task: str, method: str, seed: int, args) -> list[str]:
     out = [f"experiment=learning_{task}", f"algorithm={method}", f"seed={seed}", "progress=false",
-           f"run_dir={os.path.join(args.out, f'{task}_{method}_seed{seed}')}"]
+           f"run_dir={os.path.join(args.out, f'{task}_{method}_seed{seed}')}", *METHOD_SETTINGS.get(method, [])]
     if args.iterations is not None:
         out.append(f"iterations={args.iterations}")
     if args.quick:
@@ -421,7 +428,8 @@ def paired_comparison(a: dict[int, float], b: dict[int, float], *, resamples: in
 
 
 def compare_methods(methods: dict[str, dict], first: str = "gigpo", second: str = "grpo") -> dict | None:
-    """GiGPO minus GRPO per seed, on the final evaluation (greedy and sampled) and on the RL gain."""
+    """``first`` minus ``second`` (default GiGPO minus GRPO) per seed, on the final evaluation (greedy
+    and sampled), paired over the seeds both finished (:func:`paired_comparison`)."""
     if first not in methods or second not in methods:
         return None
     a, b = methods[first], methods[second]
@@ -452,14 +460,17 @@ def results_markdown(result: dict) -> str:
                 f"{_fmt(m['final_mean'])} ± {_fmt(m['final_std'])} | {_fmt(m['final_mean_sampled'])} | "
                 f"{m['rl_gain_mean']:+.2f} ± {_fmt(m['rl_gain_std'])} | {m['reached_threshold']} of {m['runs']} | "
                 f"{_fmt(m.get('approx_kl_max'), 3)} | " + ", ".join(f"{f:.2f}" for f in m["finals"]) + " |")
-        cmp_ = info.get("gigpo_vs_grpo")
-        if cmp_:
+        pairs = [("GiGPO - GRPO", info.get("gigpo_vs_grpo"))] + [
+            (f"{m} - GiGPO", c) for m, c in (info.get("vs_gigpo") or {}).items() if m != "grpo"]
+        for name, cmp_ in pairs:
+            if not cmp_:
+                continue
             for key, label in (("finals", "greedy"), ("finals_sampled", "T=0.4")):
                 c = cmp_[key]
                 if c["t_ci95"] is None:
                     continue
                 verdict = "within noise" if c["within_noise"] else "outside noise"
-                lines.append(f"\nGiGPO - GRPO, final {label}, paired over {c['n']} seeds: {c['mean_difference']:+.3f} "
+                lines.append(f"\n{name}, final {label}, paired over {c['n']} seeds: {c['mean_difference']:+.3f} "
                              f"(95% t interval [{c['t_ci95'][0]:+.3f}, {c['t_ci95'][1]:+.3f}], bootstrap "
                              f"[{c['bootstrap_ci95'][0]:+.3f}, {c['bootstrap_ci95'][1]:+.3f}], sign-flip "
                              f"permutation p = {c['permutation_p']:.3f}): {verdict}.")
@@ -568,6 +579,9 @@ def main() -> None:
                                    "greedy_mean": first["after_warm_start_mean"],
                                    "sampled_mean": first["after_warm_start_mean_sampled"]}
         info["gigpo_vs_grpo"] = compare_methods(info["methods"])
+        # every other method against GiGPO (issue 34: hgpo, graphgpo), paired the same way
+        info["vs_gigpo"] = {m: compare_methods(info["methods"], m, "gigpo") for m in info["methods"]
+                            if m != "gigpo" and "gigpo" in info["methods"]}
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     result["jobs"] = args.jobs
     path = args.plot or os.path.join(args.out, "learning_curves.png")

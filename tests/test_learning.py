@@ -113,6 +113,16 @@ def test_paired_comparison_interval_and_permutation_test():
         "threshold": 0.8, "random_policy_success": 0.05, "methods": methods, "gigpo_vs_grpo": cmp_,
         "warm_start_only": {"greedy_mean": 0.5, "sampled_mean": 0.2}}}})
     assert "| gigpo | 3 |" in text and "3 of 3" in text and "GiGPO - GRPO, final greedy, paired over 3 seeds" in text
+    # any other method against GiGPO (issue 34), the same paired statistics
+    methods["hgpo"] = learning.summarize([_fake_run(s, "hgpo", [(0, 0.5, 0.2), (5, g, g)])
+                                          for s, g in enumerate([1.0, 0.8, 1.0])], 0.8)
+    vs = learning.compare_methods(methods, "hgpo", "gigpo")
+    assert vs["difference"] == "hgpo - gigpo" and [round(d, 6) for d in vs["finals"]["differences"]] == [0.1, -0.1, 0.0]
+    text = learning.results_markdown({"tasks": {"numberline": {
+        "threshold": 0.8, "random_policy_success": 0.05, "methods": methods, "gigpo_vs_grpo": cmp_,
+        "vs_gigpo": {"grpo": learning.compare_methods(methods, "grpo", "gigpo"), "hgpo": vs},
+        "warm_start_only": {"greedy_mean": 0.5, "sampled_mean": 0.2}}}})
+    assert "hgpo - GiGPO, final greedy, paired over 3 seeds: +0.000" in text and "grpo - GiGPO" not in text
 
 
 def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_path, monkeypatch, capsys):
@@ -135,6 +145,7 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
     assert info["methods"]["gigpo"]["finals"] == [1.0, 0.9, 1.0] and info["methods"]["grpo"]["seeds"] == [0, 1]
     assert info["warm_start_only"]["seeds"] == [0, 1, 2]
     assert info["gigpo_vs_grpo"]["finals"]["seeds"] == [0, 1]
+    assert info["vs_gigpo"]["grpo"]["finals"]["mean_difference"] == -info["gigpo_vs_grpo"]["finals"]["mean_difference"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == sorted(
         f"numberline_{m}_seed{s}.json" for m, s in finals)  # nothing new was run
 
@@ -444,3 +455,20 @@ def test_an_interrupted_run_starts_again_and_a_live_one_is_left_alone(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_every_method_composes_on_every_task_with_only_its_own_settings_apart():
+    """The benchmark's overrides for ``--methods gigpo hgpo graphgpo grpo`` (issue 34) compose on
+    each text task, and the configs differ from GiGPO's only in the algorithm (and GraphGPO's
+    gamma, :data:`METHOD_SETTINGS`)."""
+    import argparse
+
+    learning = _learning_module()
+    args = argparse.Namespace(out="runs/x", iterations=None, quick=False, set=None)
+    for task in ("numberline", "babyai"):
+        base = learning.compose_config(learning.overrides_for(task, "gigpo", 0, args))
+        for method in ("hgpo", "graphgpo", "grpo"):
+            cfg = learning.compose_config(learning.overrides_for(task, method, 0, args))
+            assert cfg.algorithm.name == method and cfg.env == base.env and cfg.model == base.model
+            assert (cfg.algorithm.lr, cfg.algorithm.max_update_kl) == (base.algorithm.lr, base.algorithm.max_update_kl)
+            assert cfg.algorithm.gamma == (0.95 if method == "graphgpo" else base.algorithm.gamma)
