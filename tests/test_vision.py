@@ -210,3 +210,17 @@ def test_tiny_vl_processes_a_frame_and_generates():
     other, _ = inputs(process_image(np.zeros_like(frame)))
     with torch.no_grad():
         assert not torch.allclose(model(**other).logits[0, -1], logits[0, -1])
+
+
+def test_the_vision_tasks_blank_control_is_one_override_away():
+    """``benchmarks/learning.py --tasks vision --set env.kwargs.blank_images=true`` (the documented
+    control) composes, and the env it builds draws every frame black; without it, the frames show
+    the line."""
+    from torchrl_agent.trainers.cli import compose_config
+
+    for blank in (False, True):
+        cfg = compose_config(["experiment=learning_vision", f"env.kwargs.blank_images={str(blank).lower()}"])
+        env = make_env(cfg.env.name, num_groups=1, group_size=2, seed=0, **cfg.env.kwargs)  # as the trainer builds it
+        pixels = env.reset()["pixels"]
+        assert pixels.shape[-3:] == (532, 28, 3) and bool((pixels == 0).all()) == blank
+        env.close()
