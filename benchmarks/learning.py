@@ -72,7 +72,7 @@ import torch  # noqa: E402
 from torchrl_agent.collectors import StepCollector, episode_metrics  # noqa: E402
 from torchrl_agent.envs.workers import die_with_parent  # noqa: E402
 from torchrl_agent.trainers.cli import compose_config  # noqa: E402
-from torchrl_agent.trainers.run_dir import RunDirLock  # noqa: E402
+from torchrl_agent.trainers.run_dir import RunDirLock, run_files  # noqa: E402
 from torchrl_agent.trainers.trainer import Trainer, build_env  # noqa: E402
 
 METHODS = ("grpo", "gigpo")
@@ -287,10 +287,8 @@ def start_over(run_dir: str) -> None:
     ``--out``, is refused) and delete what an interrupted run of it left (``metrics.jsonl``,
     ``checkpoints/``): a run without its JSON starts again from the beginning (runs are deterministic
     per seed, so it gives what the interrupted one would have)."""
-    from pathlib import Path
-
     RunDirLock(run_dir).acquire()  # the Trainer of this process then holds it already
-    left = [Path(run_dir) / name for name in ("metrics.jsonl", "checkpoints") if (Path(run_dir) / name).exists()]
+    left = run_files(run_dir)
     if left:
         print(f"{run_dir}: an interrupted run, started again ({', '.join(p.name for p in left)} deleted)",
               file=sys.stderr, flush=True)

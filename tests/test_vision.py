@@ -224,3 +224,28 @@ def test_the_vision_tasks_blank_control_is_one_override_away():
         pixels = env.reset()["pixels"]
         assert pixels.shape[-3:] == (532, 28, 3) and bool((pixels == 0).all()) == blank
         env.close()
+
+
+def test_the_vision_task_is_the_long_numberline_seen_as_an_image():
+    """``experiment=learning_vision`` takes its game, rewards, batch, warm start and RL settings from
+    ``learning_numberline`` and changes only what seeing it needs: the model, the frame, the longer
+    RL (iterations, lr) and the longer format warm start. A setting changed in the text
+    task reaches the vision task; one that differs must be named here."""
+    from omegaconf import OmegaConf
+
+    from torchrl_agent.trainers.cli import compose_config
+
+    def flat(cfg, prefix=""):
+        out = {}
+        for key, value in cfg.items():
+            out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+        return out
+
+    text, vision = (flat(OmegaConf.to_container(OmegaConf.structured(compose_config([f"experiment=learning_{t}"]))))
+                    for t in ("numberline", "vision"))
+    differ = {key for key in text.keys() | vision.keys() if text.get(key, "absent") != vision.get(key, "absent")}
+    assert {key for key in differ if not key.startswith("model.")} == {
+        "env.kwargs.modality", "env.kwargs.frame", "env.kwargs.blank_images", "iterations", "warm_start.steps",
+        "algorithm.lr"}
+    assert vision["model.name"] == "tiny-vl" and vision["model.min_pixels"] == 0
+    assert vision["env.max_steps"] == 12 and vision["env.kwargs.min_distance"] == 6 and vision["algorithm.max_update_kl"] == 0.3

@@ -3,6 +3,8 @@ name already in the local Hugging Face cache (:mod:`~torchrl_agent.models.hub`).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torchrl_agent.models.hub import hub_cache_dir, resolve_model_path
 from torchrl_agent.models.tiny import build_tiny_model, cache_dir
 from torchrl_agent.models.tiny_vl import build_tiny_vl, load_processor, load_tiny_vl
@@ -30,26 +32,25 @@ def model_path(cfg) -> str:
 
 
 def is_vision_model(path) -> bool:
-    """Whether the model folder ``path`` holds a vision-language model (its config has a ``vision_config``)."""
-    from transformers import AutoConfig
+    """Whether the model folder ``path`` holds a vision-language model (its ``config.json`` has a
+    ``vision_config``), read without loading the model."""
+    import json
 
-    return hasattr(AutoConfig.from_pretrained(path), "vision_config")
+    config = Path(path) / "config.json"
+    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def is_vision_config(cfg) -> bool:
     """Whether a model config (``name``, ``path``) names a vision-language model, without building
-    or loading it: ``tiny-vl``, or a folder (a hub name in the local cache too) whose
-    ``config.json`` has a ``vision_config``. ``False`` for a path that does not resolve (reported
-    where the model is loaded)."""
-    import json
-
+    or loading it: ``tiny-vl``, or a folder (a hub name in the local cache too) that
+    :func:`is_vision_model`. ``False`` for a path that does not resolve (reported where the model is
+    loaded)."""
     if not cfg.path:
         return cfg.name == "tiny-vl"
     try:
-        config = resolve_model_path(cfg.path) / "config.json"
+        return is_vision_model(resolve_model_path(cfg.path))
     except FileNotFoundError:
         return False
-    return config.is_file() and "vision_config" in json.loads(config.read_text())
 
 
 def compute_dtype(cfg):

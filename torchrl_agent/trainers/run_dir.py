@@ -179,6 +179,15 @@ def metrics_iterations(run_dir: str | Path) -> list[int]:
     return out
 
 
+RUN_FILES = ("metrics.jsonl", "checkpoints")
+"""What a run writes into its folder; a folder holding any of them holds a run."""
+
+
+def run_files(run_dir) -> list[Path]:
+    """The :data:`RUN_FILES` that ``run_dir`` holds (empty: no run has written there)."""
+    return [Path(run_dir) / name for name in RUN_FILES if (Path(run_dir) / name).exists()]
+
+
 def check_run_dir(run_dir: Path, resume: str | None, checkpoint_every: int) -> tuple[Path | None, dict | None]:
     """The checkpoint to continue from and its verified state (``(None, None)``: a new run), or a
     ``ValueError`` whose message names the next step:
@@ -189,7 +198,7 @@ def check_run_dir(run_dir: Path, resume: str | None, checkpoint_every: int) -> t
       nothing trained is lost); refused otherwise (a fresh start would overwrite the curve).
     """
     if resume is None:
-        used = [name for name in ("metrics.jsonl", "checkpoints") if (run_dir / name).exists()]
+        used = [path.name for path in run_files(run_dir)]
         if used:
             raise ValueError(f"run_dir={run_dir} already holds a run ({', '.join(used)}): pass resume=auto to "
                              "continue it, or choose another run_dir")
