@@ -14,7 +14,7 @@ from torchrl_agent.envs import make_env
 from torchrl_agent.envs.transforms import ActionProjection, PromptTransform, WindowMemory
 from torchrl_agent.envs.transforms.projection import project_action
 from torchrl_agent.modules import ResponseLogProbs, VisionPolicy, VisionResponseLogProbs
-from torchrl_agent.modules.vision import VISION_PLACEHOLDER, expand_image, image_inputs
+from torchrl_agent.modules.vision import VISION_PLACEHOLDER, expand_image, image_inputs, placeholder_token_ids
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +88,7 @@ def test_scorer_equals_the_models_own_forward(vl):
     ids = torch.tensor([prompt_ids + response])
     with torch.no_grad():  # transformers' own path: it derives the M-RoPE positions itself
         logits = model(input_ids=ids, mm_token_type_ids=(ids == model.config.image_token_id).int(), **vision).logits
+        logits[..., placeholder_token_ids(model.config)] = float("-inf")  # never sampled, probability 0
         own = F.log_softmax(logits[0, len(prompt_ids) - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
         row = TensorDict({"tokens": {"prompt": torch.tensor(prompt_ids), "response": torch.tensor(response)},
                           "pixels": frame})
@@ -192,3 +193,36 @@ def test_format_warm_start_on_image_prompts_gives_valid_actions():
         assert valid() == 1.0
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_response_never_holds_an_image_placeholder_and_still_scores():
+    """An untrained VLM put mass on ``<|image_pad|>``: a sampled one in a response made the row's
+    sequence hold one pad more than its frame gives, and scoring it crashed a learning run
+    (``the rows' prompts hold [.., 20, ..] image tokens, their frames give [.., 19, ..]``). The engine
+    never samples the placeholders and the scorer gives them probability 0: here the head favours
+    them above every other token, and the rows still score to the engine's log-probs."""
+    from torchrl_agent.models import build_tiny_vl, load_tiny_vl
+
+    model, processor = load_tiny_vl(build_tiny_vl(seed=0))
+    model.eval()
+    placeholders = placeholder_token_ids(model.config)
+    assert model.config.image_token_id in placeholders and len(placeholders) == 4
+    with torch.no_grad():  # the placeholders' head rows: the hidden state's direction, scaled (greedy picks them)
+        model.lm_head.weight[placeholders] = model.lm_head.weight[placeholders] * 0 + 5.0
+    request = image_request(processor, 4, seed=2)
+    unsuppressed = VisionPolicy(model, processor, max_new_tokens=8, min_pixels=0, temperature=0.0)
+    unsuppressed.suppress_token_ids = []  # what the engine did before
+    drawn = unsuppressed(request.clone()).get(("tokens", "response"), as_list=True)
+    assert any(bool(torch.isin(r, torch.tensor(placeholders)).any()) for r in drawn)  # the fault is caused here
+    for temperature in (0.0, 1.0):
+        torch.manual_seed(3)
+        td = VisionPolicy(model, processor, max_new_tokens=8, min_pixels=0, temperature=temperature)(request.clone())
+        rows = lazy_stack(list(td.unbind(0)))
+        for response in rows.get(("tokens", "response"), as_list=True):
+            assert len(response) and not torch.isin(response, torch.tensor(placeholders)).any()
+        with torch.no_grad():
+            scored = VisionResponseLogProbs(model, processor, min_pixels=0)(rows.clone())
+        if temperature:
+            sampled = rows.get(("log_probs", "response"), as_padded_tensor=True)
+            torch.testing.assert_close(scored["log_prob"], sampled * scored["mask"], atol=1e-5, rtol=0)
+        assert torch.isfinite(scored["entropy"]).all() and torch.isfinite(scored["log_prob"]).all()

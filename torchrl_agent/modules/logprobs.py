@@ -20,6 +20,7 @@ forward keeps FSDP2's hooks in charge of the (gathered) head weight, and ``autoc
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -55,19 +56,23 @@ def pad_rows(rows: TensorDictBase, pad_token_id: int) -> dict[str, torch.Tensor]
 
 
 def _chunk_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                     with_entropy: bool) -> torch.Tensor:
+                     with_entropy: bool, suppressed: torch.Tensor | None = None) -> torch.Tensor:
     logits = head(hidden).float() / temperature  # [C, V]
+    if suppressed is not None:  # tokens the engine never samples: probability 0
+        logits = logits.index_fill(-1, suppressed, float("-inf"))
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logp[:, None]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # 0 * -inf: 0
     return torch.stack([logp, entropy], dim=-1)
 
 
 def token_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                    chunk_tokens: int = 1024, with_entropy: bool = True) -> torch.Tensor:
-    """Log-probs (and entropies) of ``targets`` under ``log_softmax(head(hidden) / temperature)``.
+                    chunk_tokens: int = 1024, with_entropy: bool = True,
+                    suppressed: torch.Tensor | None = None) -> torch.Tensor:
+    """Log-probs (and entropies) of ``targets`` under ``log_softmax(head(hidden) / temperature)``,
+    with the ``suppressed`` token ids' logits at ``-inf`` (the engine's ``suppress_token_ids``).
 
     Args:
         head: the LM head (``hidden -> logits``), e.g. ``model.get_output_embeddings()``.
@@ -78,6 +83,7 @@ def token_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
         temperature: the sampling temperature (``> 0``).
         chunk_tokens: at most this many tokens' ``[C, V]`` logits exist at once.
         with_entropy: also return the entropy of each token's distribution.
+        suppressed: ``[S]`` int64 token ids given probability 0 (``None``: none).
 
     Returns:
         ``[M, 2]`` float32 (log-prob, entropy), or ``[M, 1]`` without entropy. With gradients
@@ -90,9 +96,10 @@ def token_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor
     for start in range(0, max(hidden.shape[0], 1), chunk_tokens):  # an empty input still runs (FSDP2's hooks)
         h, y = hidden[start:start + chunk_tokens], targets[start:start + chunk_tokens]
         if track:
-            out.append(checkpoint(_chunk_log_probs, head, h, y, temperature, with_entropy, use_reentrant=False))
+            out.append(checkpoint(_chunk_log_probs, head, h, y, temperature, with_entropy, suppressed,
+                                  use_reentrant=False))
         else:
-            out.append(_chunk_log_probs(head, h, y, temperature, with_entropy))
+            out.append(_chunk_log_probs(head, h, y, temperature, with_entropy, suppressed))
     return torch.cat(out)
 
 
@@ -105,17 +112,19 @@ class ChunkedResponseHead(nn.Module):
     """
 
     def __init__(self, head: nn.Module, positions: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor, *,
-                 temperature: float, chunk_tokens: int, with_entropy: bool):
+                 temperature: float, chunk_tokens: int, with_entropy: bool, suppressed: torch.Tensor | None = None):
         super().__init__()
         self.head = head
         self.positions, self.targets = positions, targets
         self.temperature, self.chunk_tokens, self.with_entropy = temperature, chunk_tokens, with_entropy
+        self.suppressed = suppressed
         self.calls = 0
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         self.calls += 1
         return token_log_probs(self.head, hidden[self.positions], self.targets, temperature=self.temperature,
-                               chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy)
+                               chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy,
+                               suppressed=self.suppressed)
 
     @contextlib.contextmanager
     def swapped_into(self, model: nn.Module):
@@ -149,12 +158,14 @@ class ResponseLogProbs(TensorDictModuleBase):
         log_prob_key: the output key of the log-probs.
         with_entropy: also write ``entropy``.
         chunk_tokens: response tokens per head chunk (memory: ``chunk_tokens x V`` float32 a few times).
+        suppress_token_ids: token ids the engine never samples (its ``suppress_token_ids``: a VLM's
+            image placeholders), given probability 0 here too, so both score the same distribution.
     """
 
     in_keys = [("tokens", "prompt"), ("tokens", "response")]
 
     def __init__(self, model, pad_token_id: int, *, temperature: float = 1.0, log_prob_key: str = "log_prob",
-                 with_entropy: bool = True, chunk_tokens: int = 1024):
+                 with_entropy: bool = True, chunk_tokens: int = 1024, suppress_token_ids: Sequence[int] = ()):
         super().__init__()
         if chunk_tokens < 1:
             raise ValueError(f"`chunk_tokens` must be >= 1, got {chunk_tokens}")
@@ -164,6 +175,7 @@ class ResponseLogProbs(TensorDictModuleBase):
         self.log_prob_key = log_prob_key
         self.with_entropy = with_entropy
         self.chunk_tokens = chunk_tokens
+        self.suppress_token_ids = list(suppress_token_ids)
         self.out_keys = [log_prob_key, "mask"] + (["entropy"] if with_entropy else [])
 
     def _model_inputs(self, rows: TensorDictBase, batch: dict[str, torch.Tensor]) -> dict:
@@ -188,7 +200,9 @@ class ResponseLogProbs(TensorDictModuleBase):
         targets = batch["input_ids"][row, position + 1]
         head = ChunkedResponseHead(self.model.get_output_embeddings(), (row, position), targets,
                                    temperature=self.temperature, chunk_tokens=self.chunk_tokens,
-                                   with_entropy=self.with_entropy)
+                                   with_entropy=self.with_entropy,
+                                   suppressed=torch.tensor(self.suppress_token_ids, device=device)
+                                   if self.suppress_token_ids else None)
         extra = self._model_inputs(rows, batch)
         with head.swapped_into(self.model):
             out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits

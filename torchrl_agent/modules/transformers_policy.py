@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,11 +35,16 @@ class TransformersPolicy(LLMPolicy):
             does not depend on which other prompts share the call, so sharded collectors
             (:class:`~torchrl_agent.collectors.RayStepCollector`) give the single-process rows.
             Slower (no batching); the global RNG is left as it was.
+        suppress_token_ids: token ids never sampled (their logits are ``-inf``, in the log-probs too):
+            a VLM's image placeholders (:class:`~torchrl_agent.modules.VisionPolicy`). The trainer's
+            scorer must suppress the same ids (``ResponseLogProbs(suppress_token_ids=...)``).
     """
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, request_seeds: bool = False, **kwargs):
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, request_seeds: bool = False,
+                 suppress_token_ids: Sequence[int] = (), **kwargs):
         super().__init__(tokenizer, **kwargs)
         self.model = model
+        self.suppress_token_ids = list(suppress_token_ids)
         self.batch_size = batch_size
         self.accepts_request_seeds = request_seeds
         self._keeps_logits: bool | None = None
@@ -95,8 +101,9 @@ class TransformersPolicy(LLMPolicy):
         The loop is ``model.generate``'s sampling with a KV cache (left padding, position ids from the
         attention mask, rows that ended get padding): per step ``p = softmax(logits.float() / T)``,
         ``torch.multinomial(p, 1)`` (greedy: ``argmax``), the same draws from the same generator, so a
-        seed gives ``generate``'s tokens. Only the model's own logits are used: no generation config
-        of the model folder (repetition penalty, top-k/p) changes the distribution sampled from.
+        seed gives ``generate``'s tokens. Only the model's own logits are used (``suppress_token_ids``
+        at ``-inf``): no generation config of the model folder (repetition penalty, top-k/p) changes
+        the distribution sampled from.
         """
         pad = self.tokenizer.pad_token_id
         eos = self.tokenizer.eos_token_id
@@ -114,6 +121,7 @@ class TransformersPolicy(LLMPolicy):
         tokens = torch.full((n, self.max_new_tokens), pad, dtype=torch.long, device=device)
         log_probs = torch.zeros((n, self.max_new_tokens), dtype=torch.float32, device=device)
         running = torch.ones(n, dtype=torch.bool, device=device)
+        suppressed = torch.tensor(self.suppress_token_ids, dtype=torch.long, device=device)
         cache, step_ids, steps = None, input_ids, 0
         with _inference_mode(self.model):
             for t in range(self.max_new_tokens):
@@ -123,6 +131,8 @@ class TransformersPolicy(LLMPolicy):
                 cache = out.past_key_values
                 scores = out.logits[:, -1, :].float() / temperature  # [b, V], this step only
                 del out
+                if len(suppressed):
+                    scores.index_fill_(-1, suppressed, float("-inf"))
                 if sample:
                     token = torch.multinomial(F.softmax(scores, dim=-1), num_samples=1).squeeze(1)
                 else:

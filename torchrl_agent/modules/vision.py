@@ -35,7 +35,7 @@ from torchrl_agent.modules.policy import Generation
 from torchrl_agent.modules.transformers_policy import TransformersPolicy
 
 __all__ = ["VISION_PLACEHOLDER", "VisionPolicy", "VisionResponseLogProbs", "expand_image", "image_inputs",
-           "prompt_with_image", "rope_positions", "set_image_tokens", "transformers_engine"]
+           "placeholder_token_ids", "prompt_with_image", "rope_positions", "set_image_tokens", "transformers_engine"]
 
 #: Qwen's unexpanded image placeholder (what its processors' chat templates write for an image part).
 VISION_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -112,6 +112,16 @@ def rope_positions(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return positions
 
 
+def placeholder_token_ids(config) -> list[int]:
+    """A VLM's image and video placeholder ids (``image_token_id``, ``video_token_id``,
+    ``vision_start_token_id``, ``vision_end_token_id`` of its config, those it has). The engines never
+    sample them (``suppress_token_ids``) and the scorer gives them probability 0: one in a response
+    would be read as a frame's place (the model's forward counts the pads of the whole sequence,
+    M-RoPE gives them image positions), so its row could not be scored."""
+    names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+    return [i for i in (getattr(config, name, None) for name in names) if i is not None]
+
+
 def _image_tokens(processor, image_grid_thw: torch.Tensor) -> list[int]:
     """Tokens per image after the 2x2 (``merge_size``) merge: ``t * h * w / merge^2``."""
     return (image_grid_thw.prod(-1) // processor.image_processor.merge_size ** 2).tolist()
@@ -125,7 +135,10 @@ class VisionPolicy(TransformersPolicy):
     (``("tokens", "prompt")`` holds the expanded image tokens) plus ``image_tokens`` ``[b, 1]``
     int64. Sampling and its log-probs are :class:`TransformersPolicy`'s (same loop, KV cache, seeds);
     the prompt's forward also takes ``pixel_values``, ``image_grid_thw`` and M-RoPE positions
-    ``[3, b, L]``, each later token the last positions + 1 on all three rows.
+    ``[3, b, L]``, each later token the last positions + 1 on all three rows. The image placeholders
+    (:func:`placeholder_token_ids`) are never sampled: a model that puts mass on them (an untrained
+    one does) answers with other tokens, and :class:`VisionResponseLogProbs` scores the same
+    distribution.
 
     Args:
         model: a Qwen2-VL or Qwen2.5-VL ``...ForConditionalGeneration`` (shared with the trainer).
@@ -147,7 +160,7 @@ class VisionPolicy(TransformersPolicy):
         if kwargs.get("max_prompt_tokens") is None:  # the language model's context, not the config's top level
             text = model.config.get_text_config()
             kwargs["max_prompt_tokens"] = text.max_position_embeddings - kwargs.get("max_new_tokens", 64)
-        super().__init__(model, processor.tokenizer, **kwargs)
+        super().__init__(model, processor.tokenizer, suppress_token_ids=placeholder_token_ids(model.config), **kwargs)
         self.processor = processor
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
         self.image_token_id = model.config.image_token_id
@@ -188,8 +201,9 @@ class VisionResponseLogProbs(ResponseLogProbs):
     LM head in chunks, never ``[N, L, V]``). The image inputs are rebuilt from ``pixels`` by
     :func:`image_inputs` with the engine's bounds, the positions by :func:`rope_positions`; a row's
     prompt must hold as many image pads as its frame gives (else the frame is not the one it was
-    generated with: an error), and a row without pads (a text prompt) takes no frame. Gradients
-    reach the language model and the vision tower.
+    generated with: an error), and a row without pads (a text prompt) takes no frame. The image
+    placeholders have probability 0, as in :class:`VisionPolicy`'s sampling. Gradients reach the
+    language model and the vision tower.
 
     Args:
         model: the VLM (possibly PEFT-wrapped).
@@ -204,7 +218,9 @@ class VisionResponseLogProbs(ResponseLogProbs):
     in_keys = [*ResponseLogProbs.in_keys, "pixels"]
 
     def __init__(self, model, processor, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS, **kwargs):
-        super().__init__(model, processor.tokenizer.pad_token_id, **kwargs)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+        super().__init__(model, processor.tokenizer.pad_token_id, suppress_token_ids=placeholder_token_ids(base.config),
+                         **kwargs)
         self.processor = processor
         self.min_pixels, self.max_pixels = min_pixels, max_pixels
 
