@@ -19,7 +19,8 @@ moves the policy: KL(old || new) on the sampled tokens and the clip fraction, th
 
 Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thread each.
 Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
-line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "threshold": x, "warm_start_only": W,
+line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "constant_move_success": {MOVE: x},
+"threshold": x, "warm_start_only": W,
 "methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C, "vs_gigpo": {METHOD: C}}}}``: ``M`` holds
 per seed the final evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
 evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
@@ -190,8 +191,9 @@ def advantage_stats(rows) -> dict[str, float]:
             "advantage_abs_mean": float(adv.abs().mean())}
 
 
-def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
-    """Held-out success of a policy drawing an admissible action uniformly at random every step."""
+def scripted_success(task: str, episodes: int, act) -> float:
+    """Held-out success of a policy that never reads the observation: ``act(admissible)`` (the
+    step's admissible actions, a list) gives each step's action."""
     cfg = compose_config([f"experiment=learning_{task}", f"env.eval_episodes={episodes}"])
     from torchrl_agent.envs import make_env
 
@@ -200,14 +202,31 @@ def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
     if e.max_steps is not None:
         kwargs["max_steps"] = e.max_steps
     env = make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
-    rng = random.Random(seed)
     td = env.reset()
     won = torch.zeros(episodes, dtype=torch.bool)
     while not td["done"].all():
-        td["action"] = [rng.choice([a for a in adm.split("\n") if a] or [""]) for adm in td["admissible_actions"]]
+        td["action"] = [act([a for a in adm.split("\n") if a]) for adm in td["admissible_actions"]]
         td = env.step(td)["next"]
         won |= td["success"].reshape(-1).bool()
     return float(won.float().mean())
+
+
+def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
+    """Held-out success of a policy drawing an admissible action uniformly at random every step."""
+    rng = random.Random(seed)
+    return scripted_success(task, episodes, lambda admissible: rng.choice(admissible or [""]))
+
+
+def constant_move_success(task: str, episodes: int) -> dict[str, float]:
+    """Held-out success of playing one move every step, per move (the moves admissible in the first
+    panel game's first state): the best a policy blind to the state can do on a game whose moves
+    need no state to be valid (NumberLine: the share of games whose target lies on that side)."""
+    from torchrl_agent.envs import make_env
+
+    cfg = compose_config([f"experiment=learning_{task}"])
+    first = make_env(cfg.env.name, num_groups=1, group_size=1, seed=cfg.seed, split="eval", **cfg.env.kwargs).reset()
+    moves = [a for a in first["admissible_actions"][0].split("\n") if a]
+    return {move: scripted_success(task, episodes, lambda admissible, move=move: move) for move in moves}
 
 
 def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
@@ -446,8 +465,12 @@ def results_markdown(result: dict) -> str:
     lines: list[str] = []
     for task, info in result["tasks"].items():
         ws = info.get("warm_start_only") or {}
+        constant = info.get("constant_move_success") or {}
+        best = max(constant, key=constant.get, default=None)
         lines += [f"**{task}** (threshold {info['threshold']}; random valid policy "
-                  f"{_fmt(info['random_policy_success'], 3)}; warm start only, greedy / T=0.4: "
+                  f"{_fmt(info['random_policy_success'], 3)}; "
+                  + (f"the best constant move ({best!r}, on the panel) {_fmt(constant[best], 3)}; " if best else "")
+                  + f"warm start only, greedy / T=0.4: "
                   f"{_fmt(ws.get('greedy_mean'))} / {_fmt(ws.get('sampled_mean'))})", "",
                   "| method | seeds | after warm start (greedy) | final greedy, mean ± std | final T=0.4 | "
                   "RL gain (greedy) | final >= threshold | largest approx_kl of an update | per-seed final (greedy) |",
@@ -495,6 +518,9 @@ def plot(result: dict, path: str) -> None:
                 ax.plot(xs, mu, marker="o", label=f"{method} ({len(m['seeds'])} seeds)")
                 ax.fill_between(xs, [a - b for a, b in zip(mu, sd)], [a + b for a, b in zip(mu, sd)], alpha=0.2)
             ax.axhline(info["random_policy_success"], color="grey", ls=":", label="random valid policy")
+            if info.get("constant_move_success"):
+                ax.axhline(max(info["constant_move_success"].values()), color="grey", ls="--",
+                           label="best constant move")
             ax.set_title(f"{task}: held-out success, {label}")
             ax.set_xlabel("RL iteration (0 = after the warm start)")
             ax.set_ylim(-0.02, 1.02)
@@ -540,6 +566,9 @@ def main() -> None:
         args.tasks, args.seeds = args.tasks[:1], args.seeds[:1]
     t0 = time.perf_counter()
     random_success = {t: random_valid_success(t, 8 if args.quick else 256) for t in args.tasks}
+    # on the evaluation panel itself (its games, not 256): the evaluations' blind ceiling
+    constant_success = {t: constant_move_success(t, compose_config(overrides_for(t, args.methods[0], 0, args)).env.eval_episodes)
+                        for t in args.tasks}
     jobs = [(t, m, s) for t in args.tasks for s in args.seeds for m in args.methods]
     runs: list[dict] = []
     if not args.quick:  # a finished run (its JSON in --out) is reused: an interrupted benchmark resumes
@@ -564,8 +593,8 @@ def main() -> None:
     for task in args.tasks:
         by_method = {m: [r for r in runs if r["task"] == task and r["method"] == m] for m in args.methods}
         result["tasks"][task] = {
-            "random_policy_success": random_success[task], "threshold": args.threshold,
-            "methods": {m: summarize(finished, args.threshold) for m, finished in by_method.items() if finished},
+            "random_policy_success": random_success[task], "constant_move_success": constant_success[task],
+            "threshold": args.threshold, "methods": {m: summarize(finished, args.threshold) for m, finished in by_method.items() if finished},
         }
         info = result["tasks"][task]
         if not info["methods"]:  # --report before any run of this task finished

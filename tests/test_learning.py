@@ -136,6 +136,7 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
         with open(tmp_path / f"numberline_{method}_seed{seed}.json", "w") as f:
             json.dump(_fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)]), f)
     monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes: 0.05)
+    monkeypatch.setattr(learning, "constant_move_success", lambda task, episodes: {"+": 0.25, "-": 0.75})
     monkeypatch.setattr(sys, "argv", ["learning.py", "--report", "--tasks", "numberline", "--seeds", "0", "1", "2",
                                       "--out", str(tmp_path), "--plot", str(tmp_path / "curves.png")])
     learning.main()
@@ -143,11 +144,23 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
     info = json.loads(out.strip().splitlines()[-1])["tasks"]["numberline"]
     assert "not finished: numberline grpo seed 2" in err and "gigpo seed" not in err
     assert info["methods"]["gigpo"]["finals"] == [1.0, 0.9, 1.0] and info["methods"]["grpo"]["seeds"] == [0, 1]
-    assert info["warm_start_only"]["seeds"] == [0, 1, 2]
+    assert info["warm_start_only"]["seeds"] == [0, 1, 2] and info["constant_move_success"] == {"+": 0.25, "-": 0.75}
     assert info["gigpo_vs_grpo"]["finals"]["seeds"] == [0, 1]
     assert info["vs_gigpo"]["grpo"]["finals"]["mean_difference"] == -info["gigpo_vs_grpo"]["finals"]["mean_difference"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == sorted(
         f"numberline_{m}_seed{s}.json" for m, s in finals)  # nothing new was run
+
+
+def test_a_constant_move_wins_the_numberline_games_on_its_side():
+    """The blind ceiling of the NumberLine tasks (text and image): a move played every step wins
+    exactly the games whose target lies on its side (12 steps cover the largest distance, 9), so
+    the two moves' successes sum to 1, on the 64-game evaluation panel as on any other."""
+    learning = _learning_module()
+    for task in ("numberline", "vision"):
+        constant = learning.constant_move_success(task, 64)
+        assert sorted(constant) == ["+", "-"] and math.isclose(sum(constant.values()), 1.0)
+        assert 0.3 < min(constant.values()), constant  # both sides are drawn
+    assert learning.constant_move_success("vision", 64) == learning.constant_move_success("numberline", 64)  # one panel
 
 
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
