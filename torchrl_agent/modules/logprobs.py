@@ -58,13 +58,13 @@ def pad_rows(rows: TensorDictBase, pad_token_id: int) -> dict[str, torch.Tensor]
 def _chunk_log_probs(head: nn.Module, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                      with_entropy: bool, suppressed: torch.Tensor | None = None) -> torch.Tensor:
     logits = head(hidden).float() / temperature  # [C, V]
-    if suppressed is not None:  # tokens the engine never samples: probability 0
-        logits = logits.index_fill(-1, suppressed, float("-inf"))
+    if suppressed is not None:  # tokens the engine never samples: probability 0 (finite, so 0 * log 0 stays 0)
+        logits = logits.index_fill(-1, suppressed, torch.finfo(logits.dtype).min)
     logp_all = F.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logp[:, None]
-    entropy = -(logp_all.exp() * logp_all.clamp(min=torch.finfo(logp_all.dtype).min)).sum(-1)  # 0 * -inf: 0
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
     return torch.stack([logp, entropy], dim=-1)
 
 
