@@ -265,6 +265,13 @@ def test_numberline_rewards_by_hand():
     assert game.step("-")[1] == -1.0 and game.position == 0  # into the end of the line: not closer
     game.position = 1
     assert game.step(" + ")[1] == 0.0 and game.step("+")[1:] == (1.0, True, True)
+    # sparse (wrong_move_reward=0): only arriving pays, a move away or into the end costs nothing
+    sparse = NumberLineGame(max_position=5, wrong_move_reward=0.0, invalid_reward=-1.0)
+    sparse.reset(0)
+    sparse.position, sparse.target = 0, 2
+    assert sparse.step("-")[1:] == (0.0, False, False) and sparse.position == 0
+    assert sparse.step("+")[1] == 0.0 and sparse.step("-")[1] == 0.0 and sparse.step("?")[1] == -1.0
+    assert sparse.step("+")[1] == 0.0 and sparse.step("+")[1:] == (1.0, True, True)
 
 
 def test_points24_rewards_by_hand():

@@ -9,6 +9,9 @@ Rules (as gym-cards' ``NumberLineEnv`` in verl-agent): actions ``-`` and ``+``; 
 reaching the target (the episode ends, solved), -1 for a move that does not get closer (also a
 move into the end of the line), 0 otherwise; 10 steps at most. Any other action is a no-op with
 reward ``invalid_reward`` (default 0: the reference's unparseable action, index -1).
+``wrong_move_reward`` (ours, default the reference's -1) is the reward of a move that does not get
+closer: 0 makes the reward sparse (+1 on arrival, nothing else), so a move's worth shows only in
+the episode's end (the learning benchmark's ``numberline_sparse`` task).
 
 ``observation`` (ours) chooses how the state is written: ``"absolute"`` (the reference: "Position: 3.
 Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
@@ -49,7 +52,8 @@ class NumberLineGame(TextGame):
                          f"you: you are the blue cell in the middle, the target is the red cell: {IMAGE_PLACEHOLDER}")
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
-                 invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table"):
+                 invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
+                 wrong_move_reward: float = -1.0):
         if observation not in self.OBSERVATIONS:
             raise ValueError(f"NumberLine: observation must be one of {self.OBSERVATIONS}, got {observation!r}")
         if frame not in self.FRAMES:
@@ -64,6 +68,7 @@ class NumberLineGame(TextGame):
         self.max_position, self.min_distance = max_position, min_distance
         self.max_distance = max_distance or max_position
         self.invalid_reward, self.observation = float(invalid_reward), observation
+        self.wrong_move_reward = float(wrong_move_reward)
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
@@ -82,7 +87,7 @@ class NumberLineGame(TextGame):
         after = abs(self.position - self.target)
         if after == 0:
             return self._state(), 1.0, True, True
-        return self._state(), (0.0 if after < before else -1.0), False, False
+        return self._state(), (0.0 if after < before else self.wrong_move_reward), False, False
 
     def render_image(self) -> np.ndarray:
         if self.frame == "strip":
@@ -111,8 +116,8 @@ class NumberLineEnv(TextEnv):
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
-                 max_steps: int = 10, **kwargs):
-        args = (max_position, min_distance, max_distance, invalid_reward, observation, frame)
+                 wrong_move_reward: float = -1.0, max_steps: int = 10, **kwargs):
+        args = (max_position, min_distance, max_distance, invalid_reward, observation, frame, wrong_move_reward)
         NumberLineGame(*args)  # check the arguments now
         super().__init__(lambda: NumberLineGame(*args), max_steps=max_steps, **kwargs)
 
