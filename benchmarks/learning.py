@@ -382,6 +382,13 @@ def summarize(runs: list[dict], threshold: float) -> dict:
         out[f"iterations_to_threshold_mean{suffix}"] = statistics.fmean(hit) if hit else None
         out[f"ever_reached_threshold{suffix}"] = len(hit)
         out[f"reached_threshold{suffix}"] = sum(f >= threshold for f in final)
+    # per seed, how soon and how steadily it got there (finals alone tie where every method solves
+    # the task): the greedy panel's mean over the RL evaluations (point 0 left out), and the sampled
+    # training success's mean over every iteration
+    out["curve_means"] = [statistics.fmean(p["greedy"] for p in r["panel"][1:]) if len(r["panel"]) > 1 else None
+                          for r in runs]
+    out["train_success_means"] = [statistics.fmean(r["train_success"]) if r.get("train_success") else None
+                                  for r in runs]
     out["runs"] = len(runs)
     for name, i in (("after_warm_start", 0), ("final", -1)):  # does the greedy policy read the game?
         out[f"top_plan_share_{name}_mean"] = statistics.fmean(r["panel"][i]["top_plan_share"] for r in runs)
@@ -448,15 +455,25 @@ def paired_comparison(a: dict[int, float], b: dict[int, float], *, resamples: in
             "permutation_p": extreme / len(flips), "within_noise": mean - half <= 0.0 <= mean + half}
 
 
+#: What :func:`compare_methods` pairs, and how the markdown names it.
+COMPARED = {"finals": "final greedy", "finals_sampled": "final T=0.4",
+            "curve_means": "greedy panel's mean over the RL evaluations",
+            "train_success_means": "training success's mean over the iterations"}
+
+
 def compare_methods(methods: dict[str, dict], first: str = "gigpo", second: str = "grpo") -> dict | None:
     """``first`` minus ``second`` (default GiGPO minus GRPO) per seed, on the final evaluation (greedy
-    and sampled), paired over the seeds both finished (:func:`paired_comparison`)."""
+    and sampled) and on how soon and how steadily it got there (``curve_means``,
+    ``train_success_means``: :func:`summarize`), paired over the seeds both finished
+    (:func:`paired_comparison`; a seed without the value, an old run's JSON, is left out)."""
     if first not in methods or second not in methods:
         return None
     a, b = methods[first], methods[second]
     out: dict = {"difference": f"{first} - {second}"}
-    for key in ("finals", "finals_sampled"):
-        out[key] = paired_comparison(dict(zip(a["seeds"], a[key])), dict(zip(b["seeds"], b[key])))
+    for key in COMPARED:
+        if key in a and key in b:
+            out[key] = paired_comparison({s: x for s, x in zip(a["seeds"], a[key]) if x is not None},
+                                         {s: x for s, x in zip(b["seeds"], b[key]) if x is not None})
     return out
 
 
@@ -490,12 +507,12 @@ def results_markdown(result: dict) -> str:
         for name, cmp_ in pairs:
             if not cmp_:
                 continue
-            for key, label in (("finals", "greedy"), ("finals_sampled", "T=0.4")):
-                c = cmp_[key]
-                if c["t_ci95"] is None:
+            for key, label in COMPARED.items():
+                c = cmp_.get(key)
+                if c is None or c["t_ci95"] is None:
                     continue
                 verdict = "within noise" if c["within_noise"] else "outside noise"
-                lines.append(f"\n{name}, final {label}, paired over {c['n']} seeds: {c['mean_difference']:+.3f} "
+                lines.append(f"\n{name}, {label}, paired over {c['n']} seeds: {c['mean_difference']:+.3f} "
                              f"(95% t interval [{c['t_ci95'][0]:+.3f}, {c['t_ci95'][1]:+.3f}], bootstrap "
                              f"[{c['bootstrap_ci95'][0]:+.3f}, {c['bootstrap_ci95'][1]:+.3f}], sign-flip "
                              f"permutation p = {c['permutation_p']:.3f}): {verdict}.")

@@ -125,6 +125,29 @@ def test_paired_comparison_interval_and_permutation_test():
     assert "hgpo - GiGPO, final greedy, paired over 3 seeds: +0.000" in text and "grpo - GiGPO" not in text
 
 
+def test_methods_that_all_solve_the_task_are_still_told_apart_by_how_soon():
+    """Where every seed of both methods ends solved, the finals tie; the greedy panel's mean over the
+    RL evaluations and the training success's mean per seed are paired as well (a run JSON without
+    training success, an old one, drops out of that pair only)."""
+    learning = _learning_module()
+    fast = [_fake_run(s, "gigpo", [(0, 0.4, 0.2), (5, 1.0, 1.0), (10, 1.0, 1.0)]) for s in range(4)]
+    slow = [_fake_run(s, "hgpo", [(0, 0.4, 0.2), (5, 0.5 + 0.1 * s, 0.5), (10, 1.0, 1.0)]) for s in range(4)]
+    for run in fast + slow:
+        run["train_success"] = [0.9, 1.0] if run["method"] == "gigpo" else [0.5, 1.0]
+    del slow[3]["train_success"]
+    methods = {"gigpo": learning.summarize(fast, 0.8), "hgpo": learning.summarize(slow, 0.8)}
+    assert methods["hgpo"]["curve_means"] == [0.75, 0.8, 0.85, 0.9] and methods["hgpo"]["train_success_means"][3] is None
+    vs = learning.compare_methods(methods, "hgpo", "gigpo")
+    assert vs["finals"]["mean_difference"] == 0.0 and vs["finals"]["within_noise"]
+    assert abs(vs["curve_means"]["mean_difference"] + 0.175) < 1e-9 and not vs["curve_means"]["within_noise"]
+    assert vs["train_success_means"]["seeds"] == [0, 1, 2]
+    assert abs(vs["train_success_means"]["mean_difference"] + 0.2) < 1e-9
+    text = learning.results_markdown({"tasks": {"numberline": {
+        "threshold": 0.8, "random_policy_success": 0.05, "methods": methods, "vs_gigpo": {"hgpo": vs}}}})
+    assert "hgpo - GiGPO, greedy panel's mean over the RL evaluations, paired over 4 seeds: -0.175" in text
+    assert "hgpo - GiGPO, training success's mean over the iterations, paired over 3 seeds: -0.200" in text
+
+
 def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_path, monkeypatch, capsys):
     """--report reads the run JSONs in --out, names the missing runs and runs nothing: GiGPO with
     3 seeds beside GRPO with 2 is paired over the 2 both finished."""
