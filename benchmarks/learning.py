@@ -38,8 +38,8 @@ Task ``pretrained`` (issue 36) is the exception to the above: SmolLM2-135M-Instr
 reference's prompt and parsing, GiGPO with the KL term to the start (run it with
 ``--tasks pretrained --methods gigpo``; its config says why each setting).
 
-Task ``numberline_sparse`` (issue 34) is the long-credit task: the long NumberLine with a reward
-only on arriving (a move away costs nothing), gamma 0.95, so a step's credit comes back from the
+Task ``babyai_sparse`` (issue 34) is the long-credit task: the BabyAI task without its distance
+shaping (the level's sparse reward only), gamma 0.95, so a move's credit comes back from the
 episode's end (``--methods gigpo hgpo graphgpo grpo`` compares how each estimator brings it back).
 
 Task ``vision`` (issue 33) runs the bundled tiny VLM (``tiny-vl``) on the long NumberLine seen only as
@@ -86,7 +86,7 @@ METHODS = ("grpo", "gigpo")
 #: success in the group's state graph): at the recipes' ``gamma`` 0 (chosen for GiGPO's
 #: immediate-reward step term) the config refuses it; it gets the reference's 0.95.
 METHOD_SETTINGS = {"graphgpo": ["algorithm.gamma=0.95"]}
-TASKS = ("numberline", "babyai", "numberline_sparse", "ezpoints", "sokoban", "pretrained", "vision")
+TASKS = ("numberline", "babyai", "babyai_sparse", "ezpoints", "sokoban", "pretrained", "vision")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps", "update_kl", "update_kl_halvings")

@@ -501,15 +501,16 @@ def test_every_method_composes_on_every_task_with_only_its_own_settings_apart():
 
     learning = _learning_module()
     args = argparse.Namespace(out="runs/x", iterations=None, quick=False, set=None)
-    for task in ("numberline", "babyai", "numberline_sparse"):
+    for task in ("numberline", "babyai", "babyai_sparse"):
         base = learning.compose_config(learning.overrides_for(task, "gigpo", 0, args))
         for method in ("hgpo", "graphgpo", "grpo"):
             cfg = learning.compose_config(learning.overrides_for(task, method, 0, args))
             assert cfg.algorithm.name == method and cfg.env == base.env and cfg.model == base.model
             assert (cfg.algorithm.lr, cfg.algorithm.max_update_kl) == (base.algorithm.lr, base.algorithm.max_update_kl)
             assert cfg.algorithm.gamma == (0.95 if method == "graphgpo" else base.algorithm.gamma)
-    # the long-credit task is the long NumberLine with a sparse reward, and discounts for every method
-    dense, sparse = (learning.compose_config([f"experiment=learning_{t}"]) for t in ("numberline", "numberline_sparse"))
-    assert sparse.env.kwargs["wrong_move_reward"] == 0.0 and "wrong_move_reward" not in dense.env.kwargs
-    assert sparse.algorithm.gamma == 0.95 and dense.algorithm.gamma == 0.0
-    assert {k: v for k, v in sparse.env.kwargs.items() if k != "wrong_move_reward"} == dict(dense.env.kwargs)
+    # the long-credit task is the BabyAI task without its shaping, and discounts for every method
+    shaped, sparse = (learning.compose_config([f"experiment=learning_{t}"]) for t in ("babyai", "babyai_sparse"))
+    assert shaped.env.kwargs["shaping"] == "distance" and sparse.env.kwargs["shaping"] is None
+    assert sparse.algorithm.gamma == 0.95 and shaped.algorithm.gamma == 0.0
+    assert {k: v for k, v in sparse.env.kwargs.items() if k != "shaping"} == {
+        k: v for k, v in shaped.env.kwargs.items() if k != "shaping"}

@@ -11,7 +11,7 @@ move into the end of the line), 0 otherwise; 10 steps at most. Any other action 
 reward ``invalid_reward`` (default 0: the reference's unparseable action, index -1).
 ``wrong_move_reward`` (ours, default the reference's -1) is the reward of a move that does not get
 closer: 0 makes the reward sparse (+1 on arrival, nothing else), so a move's worth shows only in
-the episode's end (the learning benchmark's ``numberline_sparse`` task).
+the episode's end.
 
 ``observation`` (ours) chooses how the state is written: ``"absolute"`` (the reference: "Position: 3.
 Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
