@@ -25,7 +25,8 @@ line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "constant_move_succ
 per seed the final evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
 evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
 the same weights for both methods); ``C`` GiGPO minus GRPO paired over seeds, with a 95% t and
-bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0);
+bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0),
+on the finals and on ``curve_means`` / ``train_success_means`` (how soon and how steadily);
 ``vs_gigpo`` the same for every other method of ``--methods`` minus GiGPO (e.g. ``--methods gigpo
 hgpo graphgpo grpo``)::
 
