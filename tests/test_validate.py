@@ -4,6 +4,8 @@ one line naming the key; a group-relative algorithm with groups of one is warned
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from torchrl_agent.trainers.cli import compose_config, main
@@ -41,6 +43,42 @@ def test_bad_values_fail_at_start_naming_the_key(override, needle, capsys):
     assert main(["train", "experiment=smoke", override]) == 2
     err = capsys.readouterr().err
     assert "invalid config" in err and needle in err, err
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("+env.kwargs.wrong_move_reward=abc",
+     "env.kwargs.wrong_move_reward='abc': must be a number (NumberLineEnv's wrong_move_reward defaults to -1.0)"),
+    ("++env.kwargs.max_position=9.5", "env.kwargs.max_position=9.5: must be a whole number"),
+    ("++env.kwargs.blank_images=1", "env.kwargs.blank_images=1: must be a bool"),
+    ("++env.kwargs.observation=3", "env.kwargs.observation=3: must be a string"),
+    ("+env.kwargs.max_postion=9", "env.kwargs.max_postion: not a parameter of env numberline (NumberLineEnv); "
+                                  "its parameters: max_position, "),
+    ("env.name=nope", "env.name: unknown environment 'nope'"),
+])
+def test_bad_env_kwargs_fail_at_start_naming_the_key(override, needle, capsys):
+    """``env.kwargs`` go to the env's constructor (and its base class, through ``**kwargs``): a key
+    it does not take, or a value of another type than its default's, is one line naming the key,
+    before any model is loaded (they used to fail at the env's construction, or in a worker)."""
+    assert main(["train", "experiment=smoke", override]) == 2
+    assert needle in _one_line(capsys.readouterr().err)
+
+
+def test_env_kwargs_of_the_right_types_are_accepted():
+    cfg = compose_config(["experiment=smoke", "+env.kwargs.wrong_move_reward=0", "++env.kwargs.max_position=7",
+                          "++env.kwargs.blank_images=true", "++env.kwargs.max_distance=null"])
+    assert cfg.env.kwargs["wrong_move_reward"] == 0 and cfg.env.kwargs["max_position"] == 7
+
+
+@pytest.mark.parametrize("env", sorted(p.stem for p in (Path(__file__).parents[1] / "torchrl_agent" / "configs" / "env")
+                                       .glob("*.yaml")))
+def test_every_env_option_replaces_the_default_experiments_game(env):
+    """``torchrl-agent train env=sokoban`` (the docs' commands) on the default experiment (the quick
+    start, the long NumberLine): the quick start's game settings are an env option of their own
+    (``env/numberline_long.yaml``), so choosing another env leaves none of them behind (its
+    NumberLine kwargs once reached SokobanEnv, a TypeError at the env's construction)."""
+    cfg = compose_config([f"env={env}"])  # validated: every kwarg is a parameter of the chosen env
+    if cfg.env.name != "numberline":
+        assert "max_position" not in cfg.env.kwargs and cfg.env.template != "numberline_short"
 
 
 @pytest.mark.parametrize("memory", [["memory=window"], ["memory=actions"], ["memory=summary"]])

@@ -16,6 +16,7 @@ Which checkpoint a ``resume=`` value means, and whether it verifies, is
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from pathlib import Path
@@ -110,6 +111,7 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
     _check_endpoint(cfg)
     _check_collector(cfg)
     _check_algorithm(cfg)
+    _check_env(cfg)
     _check_template(cfg.env.template)
     _check_memory_slot(cfg)
     if check_files:
@@ -229,6 +231,64 @@ def _check_algorithm(cfg) -> None:
 def _looks_like_path(value: str) -> bool:
     """A local path rather than a hub name (``org/name``): absolute, relative or home-based."""
     return value.startswith(("/", "./", "../", "~")) or Path(value).exists() or value.count("/") != 1
+
+
+# keys build_env passes itself (from env.num_groups, env.max_steps, ...), accepted in env.kwargs too
+_ENV_FACTORY_KEYS = ("num_workers", "max_steps", "num_groups", "group_size", "seed", "split")
+
+
+def _env_parameters(constructor) -> dict[str, inspect.Parameter] | None:
+    """The keyword parameters an env constructor accepts, following ``**kwargs`` up the classes it
+    forwards them to (``NumberLineEnv`` -> ``TextEnv``); ``None`` when it takes any keyword."""
+    params: dict[str, inspect.Parameter] = {}
+    owners = [c for c in constructor.__mro__ if "__init__" in vars(c)] if isinstance(constructor, type) else [constructor]
+    for depth, owner in enumerate(owners):
+        signature = inspect.signature(owner.__init__ if isinstance(owner, type) else owner)
+        for name, p in signature.parameters.items():
+            passed_by_subclass = depth > 0 and p.kind is p.POSITIONAL_OR_KEYWORD and p.default is p.empty
+            if name != "self" and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and not passed_by_subclass:
+                params.setdefault(name, p)
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            return params
+    return None
+
+
+def _check_env(cfg) -> None:
+    """``env.name`` is registered, and each ``env.kwargs`` key is a parameter of its constructor
+    whose value has the type of the parameter's default (a number for a number, a bool for a bool,
+    a string for a string): a typo or ``wrong_move_reward=abc`` fails here, named, not in a worker."""
+    from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
+
+    e = cfg.env
+    if e.name not in ENV_REGISTRY:
+        raise ConfigError(f"env.name: unknown environment {e.name!r}; valid: {', '.join(sorted(ENV_REGISTRY))}")
+    try:
+        constructor = env_constructor(e.name)
+    except ImportError:
+        return  # an optional dependency missing: reported where the env is built
+    params = _env_parameters(constructor)
+    if params is None:
+        return
+    owner = getattr(constructor, "__name__", e.name)
+    for key, value in dict(e.kwargs).items():
+        if key in _ENV_FACTORY_KEYS:
+            continue
+        if key not in params:
+            raise ConfigError(f"env.kwargs.{key}: not a parameter of env {e.name} ({owner}); its parameters: "
+                              f"{', '.join(k for k in params if k not in _ENV_FACTORY_KEYS)}")
+        default, annotation = params[key].default, str(params[key].annotation)
+        if value is None or type(default) not in (bool, int, float, str):
+            continue  # no default to read a type from, or one these checks do not cover (a list, None)
+        if isinstance(default, bool):
+            kind, ok = "bool (true or false)", isinstance(value, bool)
+        elif isinstance(default, float) or "float" in annotation:
+            kind, ok = "number", isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif isinstance(default, int):
+            kind, ok = "whole number", isinstance(value, int) and not isinstance(value, bool)
+        else:
+            kind, ok = "string", isinstance(value, str)
+        if not ok:
+            raise ConfigError(f"env.kwargs.{key}={value!r}: must be a {kind} ({owner}'s {key} defaults to {default!r})")
 
 
 def _check_memory_slot(cfg) -> None:
