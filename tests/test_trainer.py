@@ -27,6 +27,8 @@ def test_train_runs_end_to_end_and_writes_its_logs(tmp_path, capsys):
         for key in ("success", "episode_reward", "loss", "loss_objective", "loss_kl", "tokens_per_s", "grad_norm",
                     "logprob_diff_max", "prompt_tokens_per_step"):
             assert key in r, key
+    peaks = [r["peak_rss_gb"] for r in records[:2]]  # this process's largest resident memory so far
+    assert 0.05 < peaks[0] <= peaks[1] < 64, peaks
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "learning_curve.png").stat().st_size > 1000
 

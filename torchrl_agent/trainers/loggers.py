@@ -19,8 +19,8 @@ from torchrl_agent.trainers.run_dir import (
     open_tensorboard,
 )
 
-__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "MetricsLog", "console_line", "finite_record", "init_wandb", "plot_learning_curve",
-           "sharp_fall", "write_record"]
+__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "MetricsLog", "console_line", "finite_record", "init_wandb", "peak_rss_gb",
+           "plot_learning_curve", "sharp_fall", "write_record"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -48,6 +48,17 @@ def sharp_fall(previous: dict | None, record: dict, floor: float = 0.1) -> str |
     moved = f" (that update's largest approx_kl: {kl:.3g})" if isinstance(kl, float) else ""
     return (f"iteration {record['iteration']}: {', '.join(falls)} after one update{moved}: the policy may have "
             f"left its answer format; algorithm.max_kl bounds how far one update moves it")
+
+
+def peak_rss_gb() -> float:
+    """The largest resident memory of this process so far, in GiB (``getrusage``'s ``ru_maxrss``:
+    KiB on Linux, bytes on macOS). Written with every iteration's metrics (``peak_rss_gb``), so a run
+    the kernel kills for memory leaves its growth behind in ``metrics.jsonl``."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return round(peak / (2**30 if sys.platform == "darwin" else 2**20), 3)
 
 
 def finite_record(record: dict) -> tuple[dict, list[str]]:

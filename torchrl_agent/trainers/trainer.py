@@ -50,7 +50,7 @@ from torchrl_agent.trainers.distributed import (
     is_main_process,
     load_full_state_dict,
 )
-from torchrl_agent.trainers.loggers import MetricsLog
+from torchrl_agent.trainers.loggers import MetricsLog, peak_rss_gb
 from torchrl_agent.trainers.model_setup import setup_models
 from torchrl_agent.trainers.run_dir import RunDirLock, StopSignals, new_run_dir
 from torchrl_agent.trainers.scoring import Scorer
@@ -166,7 +166,8 @@ class Trainer:
             record.update(env_steps=stats["env_steps"],  # rows collected (with fault_rows_dropped: none lost)
                           env_steps_per_s=stats["env_steps_per_s"], tokens_per_s=stats["tokens_per_s"],
                           generated_tokens=stats["generated_tokens"], iteration_s=time.perf_counter() - t0,
-                          prompt_budget_truncations=stats.get("prompt_budget_truncations", 0))
+                          prompt_budget_truncations=stats.get("prompt_budget_truncations", 0),
+                          peak_rss_gb=peak_rss_gb())  # this process's (rank 0's) largest resident memory so far
         return record
 
     def collect_rows(self) -> tuple[TensorDictBase | None, dict]:
