@@ -5,7 +5,8 @@ checks the values, here and nowhere else: ranges (``iterations >= 0``, ``algorit
 sizes ``>= 1``, rates finite and ``> 0``), names from a registry or a fixed set (``memory.kind``,
 ``rollout.engine``, ``algorithm.norm``, ``algorithm.aggregation``, ``algorithm.ratio``), the
 ``algorithm`` section (a registered name, the KL options, and the algorithm's own ``check``),
-that a template string holds the ``{observation}`` placeholder, a VLM's settings (``model.min_pixels``
+``env.name`` and ``env.kwargs`` (each key a parameter of the env's constructor, each value of its
+default's type), that a template string holds the ``{observation}`` placeholder, a VLM's settings (``model.min_pixels``
 <= ``model.max_pixels``; no vLLM engine or critic with images yet), and that the files a run reads
 (``resume=``, ``model.path``, ``eval.checkpoint``) exist. :func:`validate_config` is called by :func:`~torchrl_agent.trainers.cli.compose_config` and by
 :class:`~torchrl_agent.trainers.Trainer`, so a broken value fails before any model is loaded.
