@@ -42,7 +42,6 @@ import argparse
 import json
 import logging
 import os
-import resource
 import signal
 import sys
 import tempfile
@@ -143,6 +142,7 @@ def diverging(tmp: Path, log: _Log) -> dict:
 def long_prompts(tmp: Path, log: _Log) -> dict:
     from torchrl_agent.trainers import Trainer
     from torchrl_agent.trainers.cli import compose_config
+    from torchrl_agent.trainers.loggers import peak_rss_gb
 
     cfg = compose_config(["experiment=smoke", "env=sokoban", "memory=full", "env.max_steps=200", "env.num_groups=1", "env.group_size=2",
                           "env.eval_episodes=1", "rollout.max_new_tokens=8", "progress=false", "warm_start.steps=0",
@@ -161,7 +161,7 @@ def long_prompts(tmp: Path, log: _Log) -> dict:
     return {"completed": True, "rows_lost": record.get("fault_rows_dropped", 0), **seen,
             "prompt_budget": trainer.env.transform[1].max_prompt_tokens,
             "prompt_budget_truncations": record.get("prompt_budget_truncations", 0),
-            "peak_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+            "peak_rss_gb": peak_rss_gb(),
             "message": f"completed: prompts within the {trainer.env.transform[1].max_prompt_tokens}-token budget"}
 
 

@@ -258,13 +258,13 @@ def _check_env(cfg) -> None:
     """``env.name`` is registered, and each ``env.kwargs`` key is a parameter of its constructor
     whose value has the type of the parameter's default (a number for a number, a bool for a bool,
     a string for a string): a typo or ``wrong_move_reward=abc`` fails here, named, not in a worker."""
-    from torchrl_agent.envs.registry import ENV_REGISTRY, env_constructor
+    from torchrl_agent.envs.registry import env_constructor
 
     e = cfg.env
-    if e.name not in ENV_REGISTRY:
-        raise ConfigError(f"env.name: unknown environment {e.name!r}; valid: {', '.join(sorted(ENV_REGISTRY))}")
     try:
         constructor = env_constructor(e.name)
+    except KeyError as err:  # its message names the registered environments
+        raise ConfigError(f"env.name: {err.args[0]}") from None
     except ImportError:
         return  # an optional dependency missing: reported where the env is built
     params = _env_parameters(constructor)
