@@ -200,7 +200,8 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
     ``k`` from the top is the offset ``k - max_position`` from the marker (the line's numbers grow
     downwards), so the marker is always the middle cell (blue), the target the red cell ``target -
     position`` below it (above when negative), the rest of the line light grey and the cells past its
-    ends dark grey. The move is where the red cell lies: a reading of the frame alone.
+    ends dark grey. The move is where the red cell lies: a reading of the frame alone; on the target
+    the middle cell is red.
 
     A column, not a row: Qwen2-VL's M-RoPE gives an image's width the lowest rotary frequencies of a
     head and its height the next ones. At the tiny VLM's head size (32, sections ``[4, 6, 6]``) the
@@ -210,7 +211,7 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
     colors = [(60, 60, 60)] * (2 * max_position + 1)
     for value in range(max_position + 1):
         colors[value - position + max_position] = (200, 200, 200)
-    colors[target - position + max_position] = _RED
     colors[max_position] = (30, 80, 230)
+    colors[target - position + max_position] = _RED  # on the target the middle cell is red (it covers the marker)
     column = np.array(colors, dtype=np.uint8).repeat(STRIP_CELL, axis=0)  # [H, 3]
     return np.ascontiguousarray(np.broadcast_to(column[:, None, :], (column.shape[0], STRIP_CELL, 3)))

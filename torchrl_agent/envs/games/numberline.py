@@ -13,6 +13,12 @@ reward ``invalid_reward`` (default 0: the reference's unparseable action, index 
 closer: 0 makes the reward sparse (+1 on arrival, nothing else), so a move's worth shows only in
 the episode's end.
 
+``stop_action`` (ours, default off) adds the action ``stop``: arriving no longer ends the episode, the
+agent must say ``stop`` on the target (+1, solved); ``stop`` anywhere else ends the episode unsolved
+with ``wrong_move_reward``, and a move off the target costs ``wrong_move_reward`` like any move that
+does not get closer. A policy blind to the state then wins almost nothing: a constant move never
+stops, where without ``stop`` it wins every game whose target lies on its side (about half).
+
 ``observation`` (ours) chooses how the state is written: ``"absolute"`` (the reference: "Position: 3.
 Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
 your right.", the offset the way the BabyAI rendering gives its objects: a model reads the move off a
@@ -42,6 +48,7 @@ class NumberLineGame(TextGame):
     """One NumberLine episode. Start and target are distinct positions drawn from the seed."""
 
     ACTIONS = ("-", "+")
+    STOP = "stop"
 
     OBSERVATIONS = ("absolute", "relative")
     FRAMES = ("table", "strip")
@@ -53,7 +60,7 @@ class NumberLineGame(TextGame):
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
-                 wrong_move_reward: float = -1.0):
+                 wrong_move_reward: float = -1.0, stop_action: bool = False):
         if observation not in self.OBSERVATIONS:
             raise ValueError(f"NumberLine: observation must be one of {self.OBSERVATIONS}, got {observation!r}")
         if frame not in self.FRAMES:
@@ -69,6 +76,11 @@ class NumberLineGame(TextGame):
         self.max_distance = max_distance or max_position
         self.invalid_reward, self.observation = float(invalid_reward), observation
         self.wrong_move_reward = float(wrong_move_reward)
+        self.stop_action = bool(stop_action)
+        if self.stop_action:
+            self.ACTIONS = (*self.ACTIONS, self.STOP)
+            self.VISUAL_OBSERVATION = self.VISUAL_OBSERVATION.replace(
+                f": {IMAGE_PLACEHOLDER}", f"; answer 'stop' on the target (it covers you): {IMAGE_PLACEHOLDER}")
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
@@ -80,12 +92,15 @@ class NumberLineGame(TextGame):
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
         before = abs(self.position - self.target)
-        move = {"-": -1, "+": 1}.get(action.strip() if isinstance(action, str) else "")
+        action = action.strip() if isinstance(action, str) else ""
+        if self.stop_action and action == self.STOP:  # the episode ends here, solved only on the target
+            return self._state(), (1.0 if before == 0 else self.wrong_move_reward), True, before == 0
+        move = {"-": -1, "+": 1}.get(action)
         if move is None:  # not an action: nothing happens (reward 0 in the reference)
             return self._state(), self.invalid_reward, False, False
         self.position = min(max(self.position + move, 0), self.max_position)
         after = abs(self.position - self.target)
-        if after == 0:
+        if after == 0 and not self.stop_action:
             return self._state(), 1.0, True, True
         return self._state(), (0.0 if after < before else self.wrong_move_reward), False, False
 
@@ -95,7 +110,8 @@ class NumberLineGame(TextGame):
         return numberline_frame(self.position, self.target, self.max_position)
 
     def _state(self) -> GameState:
-        expert = "+" if self.target > self.position else "-" if self.target < self.position else ""
+        expert = ("+" if self.target > self.position else "-" if self.target < self.position
+                  else self.STOP if self.stop_action else "")
         offset = self.target - self.position
         if self.observation == "absolute":
             text = f"Position: {self.position}. Target: {self.target}."
@@ -105,7 +121,8 @@ class NumberLineGame(TextGame):
             text = "You are on the target."
         return GameState(
             observation=text,
-            task=f"Move the marker along the number line 0..{self.max_position} until it reaches the target.",
+            task=(f"Move the marker along the number line 0..{self.max_position} until it reaches the target"
+                  + (", then answer 'stop'." if self.stop_action else ".")),
             admissible_actions=self.ACTIONS,
             expert_action=expert,
         )
@@ -116,8 +133,9 @@ class NumberLineEnv(TextEnv):
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
-                 wrong_move_reward: float = -1.0, max_steps: int = 10, **kwargs):
-        args = (max_position, min_distance, max_distance, invalid_reward, observation, frame, wrong_move_reward)
+                 wrong_move_reward: float = -1.0, stop_action: bool = False, max_steps: int = 10, **kwargs):
+        args = (max_position, min_distance, max_distance, invalid_reward, observation, frame, wrong_move_reward,
+                stop_action)
         NumberLineGame(*args)  # check the arguments now
         super().__init__(lambda: NumberLineGame(*args), max_steps=max_steps, **kwargs)
 
