@@ -274,6 +274,26 @@ def test_numberline_rewards_by_hand():
     assert sparse.step("+")[1] == 0.0 and sparse.step("+")[1:] == (1.0, True, True)
 
 
+def test_numberline_stop_action_by_hand():
+    """stop_action=True: arriving does not end the episode, 'stop' does (solved only on the target); a
+    move off the target costs like any move that does not get closer, and a blind constant move never
+    wins (without 'stop' it wins every game whose target lies on its side)."""
+    game = NumberLineGame(max_position=5, stop_action=True)
+    assert game.reset(0).admissible_actions == ("-", "+", "stop")
+    assert NumberLineGame(max_position=5).reset(0).admissible_actions == ("-", "+")  # the class keeps the reference's
+    game.position, game.target = 2, 4
+    assert game.step("stop")[1:] == (-1.0, True, False)  # off the target: lost
+    game.position = 3
+    state, reward, done, success = game.step("+")
+    assert (reward, done, success) == (0.0, False, False) and state.expert_action == "stop"
+    assert state.observation == "Position: 4. Target: 4."
+    assert game.step("+")[1:] == (-1.0, False, False) and game.step("-")[1:] == (0.0, False, False)
+    assert game.step(" stop ")[1:] == (1.0, True, True)
+    for move in ("-", "+"):  # a constant move from any start never wins
+        game.reset(1)
+        assert not any(game.step(move)[3] for _ in range(12))
+
+
 def test_points24_rewards_by_hand():
     game = Points24Game()
     assert _play(game, ["8", "3", "8", "3"], "8 / ( 3 - 8 / 3 ) =".split())[0] == 10.0

@@ -84,6 +84,17 @@ def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
         for t in tds:
             t["action"] = ["+"] * 4
         tds = [e.step(t)["next"] for e, t in zip((env, text, blank), tds)]
+    # with stop_action the frame on the target shows it: the middle cell red, no other
+    on_target = make_env("numberline", modality="image", frame="strip", stop_action=True, **kwargs)
+    td = on_target.reset()
+    for _ in range(9):  # walk game 0 to its target (6 to 9 moves)
+        if td["expert_action"][0] == "stop":
+            break
+        td["action"] = [a if a != "stop" else "+" for a in td["expert_action"]]
+        td = on_target.step(td)["next"]
+    cells = td["pixels"][0, STRIP_CELL // 2::STRIP_CELL, STRIP_CELL // 2].tolist()
+    assert td["expert_action"][0] == "stop" and cells[9] == [200, 20, 20] and cells.count([200, 20, 20]) == 1
+    assert "answer 'stop' on the target" in td["observation"][0]
     with pytest.raises(ValueError, match="frame must be one of"):
         make_env("numberline", modality="image", frame="table2")
     with pytest.raises(ValueError, match="blank_images=True"):
