@@ -69,6 +69,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -196,10 +197,11 @@ def advantage_stats(rows) -> dict[str, float]:
             "advantage_abs_mean": float(adv.abs().mean())}
 
 
-def scripted_success(task: str, episodes: int, act) -> float:
+def scripted_success(task: str, episodes: int, act, overrides: Sequence[str] = ()) -> float:
     """Held-out success of a policy that never reads the observation: ``act(admissible)`` (the
-    step's admissible actions, a list) gives each step's action."""
-    cfg = compose_config([f"experiment=learning_{task}", f"env.eval_episodes={episodes}"])
+    step's admissible actions, a list) gives each step's action. ``overrides``: the benchmark's
+    ``--set`` (a game changed there is the game these baselines play)."""
+    cfg = compose_config([f"experiment=learning_{task}", f"env.eval_episodes={episodes}", *overrides])
     from torchrl_agent.envs import make_env
 
     e = cfg.env
@@ -216,22 +218,22 @@ def scripted_success(task: str, episodes: int, act) -> float:
     return float(won.float().mean())
 
 
-def random_valid_success(task: str, episodes: int, seed: int = 0) -> float:
+def random_valid_success(task: str, episodes: int, seed: int = 0, overrides: Sequence[str] = ()) -> float:
     """Held-out success of a policy drawing an admissible action uniformly at random every step."""
     rng = random.Random(seed)
-    return scripted_success(task, episodes, lambda admissible: rng.choice(admissible or [""]))
+    return scripted_success(task, episodes, lambda admissible: rng.choice(admissible or [""]), overrides)
 
 
-def constant_move_success(task: str, episodes: int) -> dict[str, float]:
+def constant_move_success(task: str, episodes: int, overrides: Sequence[str] = ()) -> dict[str, float]:
     """Held-out success of playing one move every step, per move (the moves admissible in the first
     panel game's first state): the best a policy blind to the state can do on a game whose moves
     need no state to be valid (NumberLine: the share of games whose target lies on that side)."""
     from torchrl_agent.envs import make_env
 
-    cfg = compose_config([f"experiment=learning_{task}"])
+    cfg = compose_config([f"experiment=learning_{task}", *overrides])
     first = make_env(cfg.env.name, num_groups=1, group_size=1, seed=cfg.seed, split="eval", **cfg.env.kwargs).reset()
     moves = [a for a in first["admissible_actions"][0].split("\n") if a]
-    return {move: scripted_success(task, episodes, lambda admissible, move=move: move) for move in moves}
+    return {move: scripted_success(task, episodes, lambda admissible, move=move: move, overrides) for move in moves}
 
 
 def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
@@ -587,9 +589,10 @@ def main() -> None:
     if args.quick:
         args.tasks, args.seeds = args.tasks[:1], args.seeds[:1]
     t0 = time.perf_counter()
-    random_success = {t: random_valid_success(t, 8 if args.quick else 256) for t in args.tasks}
+    random_success = {t: random_valid_success(t, 8 if args.quick else 256, overrides=args.set or ()) for t in args.tasks}
     # on the evaluation panel itself (its games, not 256): the evaluations' blind ceiling
-    constant_success = {t: constant_move_success(t, compose_config(overrides_for(t, args.methods[0], 0, args)).env.eval_episodes)
+    constant_success = {t: constant_move_success(t, compose_config(overrides_for(t, args.methods[0], 0, args)).env.eval_episodes,
+                                                  args.set or ())
                         for t in args.tasks}
     jobs = [(t, m, s) for t in args.tasks for s in args.seeds for m in args.methods]
     runs: list[dict] = []

@@ -158,8 +158,8 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
     for (method, seed), final in finals.items():
         with open(tmp_path / f"numberline_{method}_seed{seed}.json", "w") as f:
             json.dump(_fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)]), f)
-    monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes: 0.05)
-    monkeypatch.setattr(learning, "constant_move_success", lambda task, episodes: {"+": 0.25, "-": 0.75})
+    monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes, **kw: 0.05)
+    monkeypatch.setattr(learning, "constant_move_success", lambda task, episodes, *a: {"+": 0.25, "-": 0.75})
     monkeypatch.setattr(sys, "argv", ["learning.py", "--report", "--tasks", "numberline", "--seeds", "0", "1", "2",
                                       "--out", str(tmp_path), "--plot", str(tmp_path / "curves.png")])
     learning.main()
