@@ -94,6 +94,7 @@ def test_numberline_strip_shows_the_offset_and_blank_images_hide_it():
         td = on_target.step(td)["next"]
     cells = td["pixels"][0, STRIP_CELL // 2::STRIP_CELL, STRIP_CELL // 2].tolist()
     assert td["expert_action"][0] == "stop" and cells[9] == [200, 20, 20] and cells.count([200, 20, 20]) == 1
+    assert [60, 190, 60] in cells and [200, 200, 200] not in cells  # the line lights up green
     assert "answer 'stop' on the target" in td["observation"][0]
     with pytest.raises(ValueError, match="frame must be one of"):
         make_env("numberline", modality="image", frame="table2")

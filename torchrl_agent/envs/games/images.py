@@ -200,8 +200,9 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
     ``k`` from the top is the offset ``k - max_position`` from the marker (the line's numbers grow
     downwards), so the marker is always the middle cell (blue), the target the red cell ``target -
     position`` below it (above when negative), the rest of the line light grey and the cells past its
-    ends dark grey. The move is where the red cell lies: a reading of the frame alone; on the target
-    the middle cell is red.
+    ends dark grey. The move is where the red cell lies: a reading of the frame alone. On the target (seen
+    only with NumberLine's ``stop_action``: otherwise arriving ends the episode) the middle cell is red
+    and the line green, a change of the whole frame that says "stop".
 
     A column, not a row: Qwen2-VL's M-RoPE gives an image's width the lowest rotary frequencies of a
     head and its height the next ones. At the tiny VLM's head size (32, sections ``[4, 6, 6]``) the
@@ -209,8 +210,9 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
     (trained on the expert's moves, a row stayed at 50% correct after 300 steps; this column reached
     100% in 200: docs/vision.md)."""
     colors = [(60, 60, 60)] * (2 * max_position + 1)
+    line = (200, 200, 200) if position != target else (60, 190, 60)  # the line lights up green on the target
     for value in range(max_position + 1):
-        colors[value - position + max_position] = (200, 200, 200)
+        colors[value - position + max_position] = line
     colors[max_position] = (30, 80, 230)
     colors[target - position + max_position] = _RED  # on the target the middle cell is red (it covers the marker)
     column = np.array(colors, dtype=np.uint8).repeat(STRIP_CELL, axis=0)  # [H, 3]

@@ -80,7 +80,7 @@ class NumberLineGame(TextGame):
         if self.stop_action:
             self.ACTIONS = (*self.ACTIONS, self.STOP)
             self.VISUAL_OBSERVATION = self.VISUAL_OBSERVATION.replace(
-                f": {IMAGE_PLACEHOLDER}", f"; answer 'stop' on the target (it covers you): {IMAGE_PLACEHOLDER}")
+                f": {IMAGE_PLACEHOLDER}", f"; answer 'stop' on the target (it covers you and the line turns green): {IMAGE_PLACEHOLDER}")
         self.position = self.target = 0
 
     def reset(self, seed: int) -> GameState:
