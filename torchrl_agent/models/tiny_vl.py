@@ -55,7 +55,13 @@ TINY_VL_TEXT = dict(
     num_attention_heads=2,  # head_dim 32
     num_key_value_heads=1,
     max_position_embeddings=8192,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]},
+    # theta 10, not the hub models' 1e4: at head_dim 32 M-RoPE gives an image's height 6 and its width 6
+    # of the 16 rotary frequencies, the lowest ones; at 1e4 they turn by 0.006-0.1 (height) and
+    # 0.0002-0.003 (width) rad per token, so neighbouring image tokens look alike to attention. At 10
+    # they turn by 0.27-0.56 and 0.12-0.24: supervised, the vision task's column is read in 100 steps
+    # instead of 250 and a row in 100 instead of never (benchmarks/vision_probe.py, docs/vision.md).
+    # The prompts here are under 100 tokens, where the text's positions stay distinct.
+    rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]},
 )
 #: Qwen2.5-VL vision hyper-parameters (``out_hidden_size`` is the text width).
 TINY_VL_VISION = dict(
