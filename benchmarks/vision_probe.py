@@ -7,10 +7,11 @@ or, ``--layout row``, the same strip turned on its side (19 cells side by side).
 token after ``<think></think><action>`` in the task's prompt), AdamW, mini-batches of 32 states; the
 accuracy over all 90 states is printed every 50 steps and, as the LAST line, one JSON object::
 
-    python benchmarks/vision_probe.py [--layout column|row] [--steps 300] [--lr 3e-3] [--seed 0]
+    python benchmarks/vision_probe.py [--layout column|row] [--steps 300] [--lr 3e-3] [--seed 0] [--rope-theta X]
 
 A layout the model cannot learn supervised cannot be learned by RL either: docs/vision.md has the
-figures (a row stays at 0.5, a column reaches 1.0).
+figures: at the hub models' ``--rope-theta 1e4`` a row stays at 0.5 and a column reaches 1.0 in 250
+steps; at the bundled model's 10 both reach 1.0 in 100.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rope-theta", type=float, default=None,
+                        help="the text model's rope_theta (default: tiny-vl's, torchrl_agent.models.tiny_vl.TINY_VL_TEXT)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
-    model, processor = load_tiny_vl(build_tiny_vl(seed=args.seed))
+    model, processor = load_tiny_vl(build_tiny_vl(seed=args.seed, rope_theta=args.rope_theta))
     tokenizer = processor.tokenizer
     text, image = resolve_template("numberline_short", "").split("{observation}")[0], "<image>"
     observation = NumberLineGame.STRIP_OBSERVATION.replace(image, "")
@@ -79,7 +82,8 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    print(json.dumps({"layout": args.layout, "lr": args.lr, "seed": args.seed, "steps": args.steps,
+    theta = model.config.text_config.rope_parameters["rope_theta"]
+    print(json.dumps({"layout": args.layout, "lr": args.lr, "seed": args.seed, "steps": args.steps, "rope_theta": theta,
                       "final_accuracy": curve[-1]["accuracy"], "curve": curve}))
 
 

@@ -60,7 +60,7 @@ TINY_VL_TEXT = dict(
     # 0.0002-0.003 (width) rad per token, so neighbouring image tokens look alike to attention. At 10
     # they turn by 0.27-0.56 and 0.12-0.24: supervised, the vision task's column is read in 100 steps
     # instead of 250 and a row in 100 instead of never (benchmarks/vision_probe.py, docs/vision.md).
-    # The prompts here are under 100 tokens, where the text's positions stay distinct.
+    # The tiny VLM serves CPU tests and the vision task, whose prompts are short.
     rope_parameters={"rope_type": "default", "rope_theta": 10.0, "mrope_section": [4, 6, 6]},
 )
 #: Qwen2.5-VL vision hyper-parameters (``out_hidden_size`` is the text width).
@@ -135,17 +135,21 @@ def _vl_corpus() -> list[str]:
     return texts
 
 
-def _recipe_hash(corpus: list[str], seed: int) -> str:
-    payload = json.dumps({"corpus": corpus, "text": TINY_VL_TEXT, "vision": TINY_VL_VISION, "vocab": VOCAB_SIZE,
+def _recipe_hash(corpus: list[str], seed: int, text: dict = TINY_VL_TEXT) -> str:
+    payload = json.dumps({"corpus": corpus, "text": text, "vision": TINY_VL_VISION, "vocab": VOCAB_SIZE,
                           "tokens": VISION_TOKENS, "pixels": PIXEL_BOUNDS, "template": CHAT_TEMPLATE, "seed": seed,
                           "version": RECIPE_VERSION}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
-    """Build (once) and return the folder of the tiny VLM for ``seed``."""
+def build_tiny_vl(seed: int = 0, *, force: bool = False, rope_theta: float | None = None) -> Path:
+    """Build (once) and return the folder of the tiny VLM for ``seed``. ``rope_theta`` replaces
+    ``TINY_VL_TEXT``'s (a folder of its own): ``benchmarks/vision_probe.py --rope-theta`` compares them."""
+    text = TINY_VL_TEXT
+    if rope_theta is not None:
+        text = {**text, "rope_parameters": {**text["rope_parameters"], "rope_theta": float(rope_theta)}}
     corpus = _vl_corpus()
-    folder = cache_dir() / "models" / f"tiny-vl-{_recipe_hash(corpus, seed)}"
+    folder = cache_dir() / "models" / f"tiny-vl-{_recipe_hash(corpus, seed, text)}"
     if folder.is_dir() and (folder / "model.safetensors").exists() and not force:
         return folder
 
@@ -160,7 +164,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False) -> Path:
     processor = image_only_processor(image_processor, tokenizer, CHAT_TEMPLATE)
     config = Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **TINY_VL_TEXT),
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **text),
         vision_config=dict(TINY_VL_VISION),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
