@@ -450,9 +450,10 @@ def test_vision_probe_prints_its_json_last(tmp_path):
     import subprocess
 
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vision_probe.py"), "--steps", "0",
-                          "--layout", "row"], capture_output=True, text=True, timeout=600, check=True)
+                          "--layout", "row", "--rope-theta", "100"], capture_output=True, text=True, timeout=600,
+                         check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["layout"] == "row" and result["steps"] == 0
+    assert result["layout"] == "row" and result["steps"] == 0 and result["rope_theta"] == 100.0  # the model it built
     assert [p["step"] for p in result["curve"]] == [0] and 0.0 <= result["final_accuracy"] <= 1.0
 
 
