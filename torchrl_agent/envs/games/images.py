@@ -205,10 +205,11 @@ def numberline_strip(position: int, target: int, max_position: int) -> np.ndarra
     and the line green, a change of the whole frame that says "stop".
 
     A column, not a row: Qwen2-VL's M-RoPE gives an image's width the lowest rotary frequencies of a
-    head and its height the next ones. At the tiny VLM's head size (32, sections ``[4, 6, 6]``) the
-    width's turn by 0.0002-0.003 rad per token, so 19 cells side by side look alike to its attention
-    (trained on the expert's moves, a row stayed at 50% correct after 300 steps; this column reached
-    100% in 200: docs/vision.md)."""
+    head and its height the next ones. At a head size of 32 (sections ``[4, 6, 6]``) and the hub
+    models' theta 1e4 the width's turn by 0.0002-0.003 rad per token, so 19 cells side by side look
+    alike to attention (trained on the expert's moves, a row stayed at 50% correct after 300 steps, a
+    column reached 100% in 250). The bundled tiny VLM's theta 10 reads both in 100 steps
+    (docs/vision.md); the vision task keeps the column its results were measured on."""
     colors = [(60, 60, 60)] * (2 * max_position + 1)
     line = (200, 200, 200) if position != target else (60, 190, 60)  # the line lights up green on the target
     for value in range(max_position + 1):
