@@ -454,6 +454,9 @@ def test_vision_probe_prints_its_json_last(tmp_path):
                          check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["layout"] == "row" and result["steps"] == 0 and result["rope_theta"] == 100.0  # the model it built
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "vision_probe.py"), "--steps", "0",
+                          "--rope-theta", "0"], capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "rope_theta must be a positive number, got 0.0" in bad.stderr
     assert [p["step"] for p in result["curve"]] == [0] and 0.0 <= result["final_accuracy"] <= 1.0
 
 

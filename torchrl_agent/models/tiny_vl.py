@@ -147,6 +147,8 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False, rope_theta: float | Non
     ``TINY_VL_TEXT``'s (a folder of its own): ``benchmarks/vision_probe.py --rope-theta`` compares them."""
     text = TINY_VL_TEXT
     if rope_theta is not None:
+        if not rope_theta > 0:  # also NaN: the rotary frequencies theta^(-2i/d) need a positive base
+            raise ValueError(f"build_tiny_vl: rope_theta must be a positive number, got {rope_theta!r}")
         text = {**text, "rope_parameters": {**text["rope_parameters"], "rope_theta": float(rope_theta)}}
     corpus = _vl_corpus()
     folder = cache_dir() / "models" / f"tiny-vl-{_recipe_hash(corpus, seed, text)}"
