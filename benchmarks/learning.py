@@ -20,7 +20,7 @@ moves the policy: KL(old || new) on the sampled tokens and the clip fraction, th
 Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thread each.
 Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
 line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "constant_move_success": {MOVE: x},
-"threshold": x, "warm_start_only": W,
+"blind_ceiling": {"success": x, "plan": P} or null, "threshold": x, "warm_start_only": W,
 "methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C, "vs_gigpo": {METHOD: C}}}}``: ``M`` holds
 per seed the final evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
 evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
@@ -28,7 +28,9 @@ the same weights for both methods); ``C`` GiGPO minus GRPO paired over seeds, wi
 bootstrap interval and a sign-flip permutation p-value (``within_noise`` when the interval holds 0),
 on the finals and on ``curve_means`` / ``train_success_means`` (how soon and how steadily);
 ``vs_gigpo`` the same for every other method of ``--methods`` minus GiGPO (e.g. ``--methods gigpo
-hgpo graphgpo grpo``)::
+hgpo graphgpo grpo``). ``blind_ceiling`` is the best success any fixed sequence of moves ``P`` reaches
+on the panel (every one tried; null where there are more than 4096): what a policy that cannot read
+the state can win, the bar for the vision task's blanked control::
 
     python benchmarks/learning.py [--tasks numberline babyai] [--seeds 0 .. 9] [--jobs 2]
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import copy
 import json
 import math
 import multiprocessing
@@ -74,6 +77,7 @@ from collections.abc import Sequence
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from torchrl_agent.collectors import StepCollector, episode_metrics  # noqa: E402
@@ -234,6 +238,48 @@ def constant_move_success(task: str, episodes: int, overrides: Sequence[str] = (
     first = make_env(cfg.env.name, num_groups=1, group_size=1, seed=cfg.seed, split="eval", **cfg.env.kwargs).reset()
     moves = [a for a in first["admissible_actions"][0].split("\n") if a]
     return {move: scripted_success(task, episodes, lambda admissible, move=move: move, overrides) for move in moves}
+
+
+def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_plans: int = 4096) -> dict | None:
+    """The best held-out success of any open-loop plan (a fixed sequence of moves, one per step),
+    every plan tried on the ``episodes``-game panel: the most a policy that cannot read the state can
+    win. A memoryless policy whose prompt never changes (the vision task with its frame blanked)
+    draws every step's move from one distribution: a mixture of such plans, so it wins no more.
+    ``{"success": x, "plan": "- - ..."}``, or None where there are more than ``max_plans`` plans
+    (moves ** max_steps) to try."""
+    from torchrl_agent.envs import make_env
+
+    cfg = compose_config([f"experiment=learning_{task}", *overrides])
+    e = cfg.env
+    kwargs = dict(e.kwargs)
+    if e.max_steps is not None:
+        kwargs["max_steps"] = e.max_steps
+    env = make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
+    td = env.reset()
+    moves = [a for a in td["admissible_actions"][0].split("\n") if a]
+    if e.max_steps is None or len(moves) ** e.max_steps > max_plans:
+        return None
+    def outcomes(game, steps_left: int) -> np.ndarray:
+        """Success (0/1) of every plan of ``steps_left`` moves from ``game``'s state, in
+        ``itertools.product(moves, ...)`` order: a plan that ended early shares its prefix's outcome."""
+        if steps_left == 0:
+            return np.zeros(1)
+        parts = []
+        for move in moves:
+            child = copy.deepcopy(game)
+            _, _, done, success = child.step(move)
+            parts.append(np.full(len(moves) ** (steps_left - 1), float(success)) if done
+                         else outcomes(child, steps_left - 1))
+        return np.concatenate(parts)
+
+    game = env.games[0]
+    wins = np.zeros(len(moves) ** e.max_steps)
+    for seed in env.group_seeds:  # the panel's games, one by one
+        game.reset(seed)
+        wins += outcomes(game, e.max_steps)
+    best = int(wins.argmax())
+    plan = [moves[best // len(moves) ** k % len(moves)] for k in reversed(range(e.max_steps))]
+    return {"success": float(wins[best]) / len(env.group_seeds), "plan": " ".join(plan)}
 
 
 def warm_start_moves(task: str, seed: int, args, max_prompts: int = 48) -> dict:
@@ -494,6 +540,8 @@ def results_markdown(result: dict) -> str:
         lines += [f"**{task}** (threshold {info['threshold']}; random valid policy "
                   f"{_fmt(info['random_policy_success'], 3)}; "
                   + (f"the best constant move ({best!r}, on the panel) {_fmt(constant[best], 3)}; " if best else "")
+                  + (f"the best open-loop plan {_fmt(info['blind_ceiling']['success'], 3)}; "
+                     if info.get("blind_ceiling") else "")
                   + f"warm start only, greedy / T=0.4: "
                   f"{_fmt(ws.get('greedy_mean'))} / {_fmt(ws.get('sampled_mean'))})", "",
                   "| method | seeds | after warm start (greedy) | final greedy, mean ± std | final T=0.4 | "
@@ -594,6 +642,9 @@ def main() -> None:
     constant_success = {t: constant_move_success(t, compose_config(overrides_for(t, args.methods[0], 0, args)).env.eval_episodes,
                                                   args.set or ())
                         for t in args.tasks}
+    blind = {t: blind_ceiling(t, compose_config(overrides_for(t, args.methods[0], 0, args)).env.eval_episodes,
+                              args.set or ())
+             for t in args.tasks}
     jobs = [(t, m, s) for t in args.tasks for s in args.seeds for m in args.methods]
     runs: list[dict] = []
     if not args.quick:  # a finished run (its JSON in --out) is reused: an interrupted benchmark resumes
@@ -619,6 +670,7 @@ def main() -> None:
         by_method = {m: [r for r in runs if r["task"] == task and r["method"] == m] for m in args.methods}
         result["tasks"][task] = {
             "random_policy_success": random_success[task], "constant_move_success": constant_success[task],
+            "blind_ceiling": blind[task],
             "threshold": args.threshold, "methods": {m: summarize(finished, args.threshold) for m, finished in by_method.items() if finished},
         }
         info = result["tasks"][task]

@@ -160,6 +160,7 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
             json.dump(_fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)]), f)
     monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes, **kw: 0.05)
     monkeypatch.setattr(learning, "constant_move_success", lambda task, episodes, *a: {"+": 0.25, "-": 0.75})
+    monkeypatch.setattr(learning, "blind_ceiling", lambda task, episodes, *a: {"success": 0.75, "plan": "- -"})
     monkeypatch.setattr(sys, "argv", ["learning.py", "--report", "--tasks", "numberline", "--seeds", "0", "1", "2",
                                       "--out", str(tmp_path), "--plot", str(tmp_path / "curves.png")])
     learning.main()
@@ -184,6 +185,26 @@ def test_a_constant_move_wins_the_numberline_games_on_its_side():
         assert sorted(constant) == ["+", "-"] and math.isclose(sum(constant.values()), 1.0)
         assert 0.3 < min(constant.values()), constant  # both sides are drawn
     assert learning.constant_move_success("vision", 64) == learning.constant_move_success("numberline", 64)  # one panel
+
+
+def test_blind_ceiling_is_the_best_fixed_plan_and_the_bar_of_the_blanked_control():
+    """``blind_ceiling`` tries every fixed sequence of moves on the panel. On a 6-step NumberLine with
+    near targets the best one sweeps (it is no constant move) and replaying it wins what it reports.
+    On the vision task's panel no plan of 12 moves beats ``-`` x12 (0.578): the most the blanked
+    control (a black frame, no memory: one prompt every step) can win."""
+    import itertools
+
+    learning = _learning_module()
+    short = ["env.max_steps=6", "env.kwargs.min_distance=1", "env.kwargs.max_distance=3"]
+    ceiling = learning.blind_ceiling("numberline", 16, short)
+    plan = ceiling["plan"].split()
+    assert len(plan) == 6 and set(plan) == {"-", "+"}, ceiling
+    calls = itertools.count()  # the 16 games step together: call // 16 is the step
+    assert learning.scripted_success("numberline", 16, lambda admissible: plan[next(calls) // 16], short) == ceiling["success"]
+    assert ceiling["success"] > max(learning.constant_move_success("numberline", 16, short).values())
+    vision = learning.blind_ceiling("vision", 64)
+    assert vision == {"success": learning.constant_move_success("vision", 64)["-"], "plan": " ".join(["-"] * 12)}
+    assert learning.blind_ceiling("numberline", 16, ["+env.kwargs.stop_action=true"]) is None  # 3 ** 12 plans
 
 
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
