@@ -201,18 +201,24 @@ def advantage_stats(rows) -> dict[str, float]:
             "advantage_abs_mean": float(adv.abs().mean())}
 
 
-def scripted_success(task: str, episodes: int, act, overrides: Sequence[str] = ()) -> float:
-    """Held-out success of a policy that never reads the observation: ``act(admissible)`` (the
-    step's admissible actions, a list) gives each step's action. ``overrides``: the benchmark's
-    ``--set`` (a game changed there is the game these baselines play)."""
-    cfg = compose_config([f"experiment=learning_{task}", f"env.eval_episodes={episodes}", *overrides])
+def panel_env(task: str, episodes: int, overrides: Sequence[str] = ()):
+    """The held-out panel of ``task`` as an env: its first ``episodes`` games, one per group (the
+    eval split), of the game ``overrides`` (the benchmark's ``--set``) changed."""
     from torchrl_agent.envs import make_env
 
+    cfg = compose_config([f"experiment=learning_{task}", *overrides])
     e = cfg.env
     kwargs = dict(e.kwargs)
     if e.max_steps is not None:
         kwargs["max_steps"] = e.max_steps
-    env = make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
+    return make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
+
+
+def scripted_success(task: str, episodes: int, act, overrides: Sequence[str] = ()) -> float:
+    """Held-out success of a policy that never reads the observation: ``act(admissible)`` (the
+    step's admissible actions, a list) gives each step's action. ``overrides``: the benchmark's
+    ``--set`` (a game changed there is the game these baselines play)."""
+    env = panel_env(task, episodes, overrides)
     td = env.reset()
     won = torch.zeros(episodes, dtype=torch.bool)
     while not td["done"].all():
@@ -232,10 +238,7 @@ def constant_move_success(task: str, episodes: int, overrides: Sequence[str] = (
     """Held-out success of playing one move every step, per move (the moves admissible in the first
     panel game's first state): the best a policy blind to the state can do on a game whose moves
     need no state to be valid (NumberLine: the share of games whose target lies on that side)."""
-    from torchrl_agent.envs import make_env
-
-    cfg = compose_config([f"experiment=learning_{task}", *overrides])
-    first = make_env(cfg.env.name, num_groups=1, group_size=1, seed=cfg.seed, split="eval", **cfg.env.kwargs).reset()
+    first = panel_env(task, 1, overrides).reset()
     moves = [a for a in first["admissible_actions"][0].split("\n") if a]
     return {move: scripted_success(task, episodes, lambda admissible, move=move: move, overrides) for move in moves}
 
@@ -247,18 +250,12 @@ def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_p
     draws every step's move from one distribution: a mixture of such plans, so it wins no more.
     ``{"success": x, "plan": "- - ..."}``, or None where there are more than ``max_plans`` plans
     (moves ** max_steps) to try."""
-    from torchrl_agent.envs import make_env
-
-    cfg = compose_config([f"experiment=learning_{task}", *overrides])
-    e = cfg.env
-    kwargs = dict(e.kwargs)
-    if e.max_steps is not None:
-        kwargs["max_steps"] = e.max_steps
-    env = make_env(e.name, num_groups=episodes, group_size=1, seed=cfg.seed, split="eval", **kwargs)
-    td = env.reset()
-    moves = [a for a in td["admissible_actions"][0].split("\n") if a]
-    if e.max_steps is None or len(moves) ** e.max_steps > max_plans:
+    env = panel_env(task, episodes, overrides)
+    moves = [a for a in env.reset()["admissible_actions"][0].split("\n") if a]
+    horizon = env.max_steps
+    if len(moves) ** horizon > max_plans:
         return None
+
     def outcomes(game, steps_left: int) -> np.ndarray:
         """Success (0/1) of every plan of ``steps_left`` moves from ``game``'s state, in
         ``itertools.product(moves, ...)`` order: a plan that ended early shares its prefix's outcome."""
@@ -273,12 +270,12 @@ def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_p
         return np.concatenate(parts)
 
     game = env.games[0]
-    wins = np.zeros(len(moves) ** e.max_steps)
+    wins = np.zeros(len(moves) ** horizon)
     for seed in env.group_seeds:  # the panel's games, one by one
         game.reset(seed)
-        wins += outcomes(game, e.max_steps)
+        wins += outcomes(game, horizon)
     best = int(wins.argmax())
-    plan = [moves[best // len(moves) ** k % len(moves)] for k in reversed(range(e.max_steps))]
+    plan = [moves[best // len(moves) ** k % len(moves)] for k in reversed(range(horizon))]
     return {"success": float(wins[best]) / len(env.group_seeds), "plan": " ".join(plan)}
 
 
