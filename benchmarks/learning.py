@@ -201,6 +201,11 @@ def advantage_stats(rows) -> dict[str, float]:
             "advantage_abs_mean": float(adv.abs().mean())}
 
 
+def moves_of(admissible: str) -> list[str]:
+    """One game's admissible actions (the env's newline-joined ``admissible_actions``) as a list."""
+    return [a for a in admissible.split("\n") if a]
+
+
 def panel_env(task: str, episodes: int, overrides: Sequence[str] = ()):
     """The held-out panel of ``task`` as an env: its first ``episodes`` games, one per group (the
     eval split), of the game ``overrides`` (the benchmark's ``--set``) changed."""
@@ -222,7 +227,7 @@ def scripted_success(task: str, episodes: int, act, overrides: Sequence[str] = (
     td = env.reset()
     won = torch.zeros(episodes, dtype=torch.bool)
     while not td["done"].all():
-        td["action"] = [act([a for a in adm.split("\n") if a]) for adm in td["admissible_actions"]]
+        td["action"] = [act(moves_of(adm)) for adm in td["admissible_actions"]]
         td = env.step(td)["next"]
         won |= td["success"].reshape(-1).bool()
     return float(won.float().mean())
@@ -239,7 +244,7 @@ def constant_move_success(task: str, episodes: int, overrides: Sequence[str] = (
     panel game's first state): the best a policy blind to the state can do on a game whose moves
     need no state to be valid (NumberLine: the share of games whose target lies on that side)."""
     first = panel_env(task, 1, overrides).reset()
-    moves = [a for a in first["admissible_actions"][0].split("\n") if a]
+    moves = moves_of(first["admissible_actions"][0])
     return {move: scripted_success(task, episodes, lambda admissible, move=move: move, overrides) for move in moves}
 
 
@@ -251,7 +256,7 @@ def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_p
     ``{"success": x, "plan": "- - ..."}``, or None where there are more than ``max_plans`` plans
     (moves ** max_steps) to try."""
     env = panel_env(task, episodes, overrides)
-    moves = [a for a in env.reset()["admissible_actions"][0].split("\n") if a]
+    moves = moves_of(env.reset()["admissible_actions"][0])
     horizon = env.max_steps
     if len(moves) ** horizon > max_plans:
         return None
