@@ -27,6 +27,7 @@ def test_train_runs_end_to_end_and_writes_its_logs(tmp_path, capsys):
         for key in ("success", "episode_reward", "loss", "loss_objective", "loss_kl", "tokens_per_s", "grad_norm",
                     "logprob_diff_max", "prompt_tokens_per_step"):
             assert key in r, key
+        assert (r["episodes"], r["groups"]) == (4, 2)  # 2 groups of 2 games: the draws sharp_fall counts
     peaks = [r["peak_rss_gb"] for r in records[:2]]  # this process's largest resident memory so far
     assert 0.05 < peaks[0] <= peaks[1] < 64, peaks
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -174,10 +175,10 @@ def test_train_with_the_vllm_engine_syncs_weights_into_it(tmp_path):
 def test_a_fall_by_more_than_half_in_one_iteration_is_warned_in_one_line(tmp_path, caplog):
     """The run log warns in one line when ``action_valid`` or training success falls by more than half
     from one iteration to the next (quoting that update's largest approx_kl); not for a smaller fall,
-    nor from below the floor."""
+    nor from below the floor, nor for a fall that two batches of one policy make by chance."""
     import logging
 
-    from torchrl_agent.trainers.loggers import sharp_fall
+    from torchrl_agent.trainers.loggers import beyond_chance, sharp_fall
 
     before = {"iteration": 3, "success": 0.8, "action_valid": 0.98, "approx_kl_max": 1.24}
     line = sharp_fall(before, {"iteration": 4, "success": 0.5, "action_valid": 0.0})
@@ -188,6 +189,17 @@ def test_a_fall_by_more_than_half_in_one_iteration_is_warned_in_one_line(tmp_pat
     assert sharp_fall({"iteration": 3, "success": 0.05, "action_valid": 0.5},
                       {"iteration": 4, "success": 0.0, "action_valid": 0.3}) is None  # a small fall; success under the floor
     assert sharp_fall(None, {"iteration": 0, "success": 0.0}) is None
+    # where the records count their groups, only a fall beyond chance is warned: 14 wins of 64 games in 16
+    # groups, then 2, is two batches of one policy (z 1.6: a group's games win or lose together); 1.00
+    # then 0.45, or 0.98 valid then 0.20, is not
+    noise = sharp_fall({"iteration": 5, "success": 14 / 64, "groups": 16, "action_valid": 0.99},
+                       {"iteration": 6, "success": 2 / 64, "groups": 16, "action_valid": 0.98})
+    assert noise is None
+    fell = sharp_fall({"iteration": 5, "success": 1.0, "groups": 16, "action_valid": 0.98},
+                      {"iteration": 6, "success": 0.45, "groups": 16, "action_valid": 0.2})
+    assert fell.startswith("iteration 6: action_valid 0.98 -> 0.20, success 1.00 -> 0.45 after one update")
+    assert beyond_chance(0.5, 0.2, 32, 32) and not beyond_chance(0.3, 0.12, 32, 32)
+    assert not beyond_chance(0.0, 0.0, 10, 10) and beyond_chance(0.5, 0.2, None, 32)  # no spread; no count
 
     from torchrl_agent.trainers.loggers import MetricsLog
 

@@ -364,8 +364,8 @@ def token_ledger(rows: TensorDictBase) -> dict[str, float]:
 
 
 def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
-    """Per-episode success, reward and length over the rows of complete episodes, and the
-    per-task-type success where the environment labels its tasks."""
+    """Per-episode success, reward and length over the rows of complete episodes, how many episodes
+    and groups they are, and the per-task-type success where the environment labels its tasks."""
     done = rows["done"].reshape(-1)
     success = rows["success"].reshape(-1)[done].float()
     traj = rows["traj_id"].reshape(-1)
@@ -380,10 +380,18 @@ def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
         # responses cut to the projection's max_chars before parsing
         "responses_cut": int(rows["response_cut"].sum()) if "response_cut" in rows.keys() else 0,
         "episodes": int(done.sum()),
+        **_groups(rows, done),
         **_per_task_success(rows, done),
         **_task_score(rows, done),
         **token_ledger(rows),
     }
+
+
+def _groups(rows: TensorDictBase, done: torch.Tensor) -> dict[str, int]:
+    """How many groups the finished episodes belong to (``group_id``; rows without it: none)."""
+    if "group_id" not in rows.keys():
+        return {}
+    return {"groups": int(torch.unique(rows["group_id"].reshape(-1)[done]).numel())}
 
 
 def _task_score(rows: TensorDictBase, done: torch.Tensor) -> dict[str, float]:

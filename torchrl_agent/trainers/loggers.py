@@ -19,8 +19,8 @@ from torchrl_agent.trainers.run_dir import (
     open_tensorboard,
 )
 
-__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "MetricsLog", "console_line", "finite_record", "init_wandb", "peak_rss_gb",
-           "plot_learning_curve", "sharp_fall", "write_record"]
+__all__ = ["CONSOLE_KEYS", "FALL_KEYS", "MetricsLog", "beyond_chance", "console_line", "finite_record", "init_wandb",
+           "peak_rss_gb", "plot_learning_curve", "sharp_fall", "write_record"]
 
 logger = logging.getLogger("torchrl_agent")
 
@@ -33,15 +33,31 @@ CONSOLE_KEYS = ("iteration", "success", "episode_reward", "action_valid", "loss"
 FALL_KEYS = ("action_valid", "success")
 
 
+def beyond_chance(before: float, after: float, n_before: int | None, n_after: int | None, z: float = 2.0) -> bool:
+    """Whether a share's fall from ``before`` (of ``n_before`` independent draws) to ``after`` (of
+    ``n_after``) is larger than two batches of one policy make by chance: the two-proportion z
+    statistic ``(before - after) / sqrt(p (1 - p) (1 / n_before + 1 / n_after))``, ``p`` the pooled
+    share, above ``z``. Without both counts every fall counts."""
+    if not n_before or not n_after:
+        return True
+    pooled = (before * n_before + after * n_after) / (n_before + n_after)
+    spread = math.sqrt(pooled * (1 - pooled) * (1 / n_before + 1 / n_after))
+    return spread > 0 and (before - after) / spread > z
+
+
 def sharp_fall(previous: dict | None, record: dict, floor: float = 0.1) -> str | None:
     """One line naming the :data:`FALL_KEYS` that fell by more than half from ``previous`` (the last
-    iteration's record) to ``record``, counting only falls from at least ``floor``; ``None`` if none.
-    The update between the two is ``previous``'s, so the line quotes its ``approx_kl_max``."""
+    iteration's record) to ``record``, counting only falls from at least ``floor`` and beyond chance
+    (:func:`beyond_chance` over the records' ``groups``: a group's games share one game and mostly win
+    or lose together, so the groups, not the episodes or steps, are a batch's independent draws;
+    without ``groups`` every fall counts); ``None`` if none. The update between the two is
+    ``previous``'s, so the line quotes its ``approx_kl_max``."""
     if not previous:
         return None
     falls = [f"{k} {previous[k]:.2f} -> {record[k]:.2f}" for k in FALL_KEYS
              if isinstance(previous.get(k), float) and isinstance(record.get(k), float)
-             and previous[k] >= floor and record[k] < previous[k] / 2]
+             and previous[k] >= floor and record[k] < previous[k] / 2
+             and beyond_chance(previous[k], record[k], previous.get("groups"), record.get("groups"))]
     if not falls:
         return None
     kl = previous.get("approx_kl_max")
