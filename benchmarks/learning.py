@@ -47,7 +47,9 @@ episode's end (``--methods gigpo hgpo graphgpo grpo`` compares how each estimato
 
 Task ``vision`` (issue 33) runs the bundled tiny VLM (``tiny-vl``) on the long NumberLine seen only as
 an image (a column of cells, the text one fixed sentence), lr 2e-3 and 40 iterations; docs/vision.md
-has why. ``--set env.kwargs.blank_images=true`` is its control (every frame black).
+has why. ``--set env.kwargs.blank_images=true`` is its control (every frame black). Task
+``vision_mirror`` is the same game drawn either way up at random each step (``env.kwargs.mirror``),
+where that control can win no more than the random policy.
 
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
 JSON in ``--out`` is reused, so an interrupted benchmark resumes (a run interrupted before its JSON
@@ -92,7 +94,7 @@ METHODS = ("grpo", "gigpo")
 #: success in the group's state graph): at the recipes' ``gamma`` 0 (chosen for GiGPO's
 #: immediate-reward step term) the config refuses it; it gets the reference's 0.95.
 METHOD_SETTINGS = {"graphgpo": ["algorithm.gamma=0.95"]}
-TASKS = ("numberline", "babyai", "babyai_sparse", "ezpoints", "sokoban", "pretrained", "vision")
+TASKS = ("numberline", "babyai", "babyai_sparse", "ezpoints", "sokoban", "pretrained", "vision", "vision_mirror")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps", "update_kl", "update_kl_halvings")
@@ -254,7 +256,9 @@ def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_p
     win. A memoryless policy whose prompt never changes (the vision task with its frame blanked)
     draws every step's move from one distribution: a mixture of such plans, so it wins no more.
     ``{"success": x, "plan": "- - ..."}``, or None where there are more than ``max_plans`` plans
-    (moves ** max_steps) to try."""
+    (moves ** max_steps) to try. On a game that draws from the seed whatever the answers
+    (``vision_mirror``'s coins) every plan wins the random walk's share in expectation, and the best
+    of them on the panel is above it by selection alone."""
     env = panel_env(task, episodes, overrides)
     moves = moves_of(env.reset()["admissible_actions"][0])
     horizon = env.max_steps

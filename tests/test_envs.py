@@ -294,6 +294,48 @@ def test_numberline_stop_action_by_hand():
         assert not any(game.step(move)[3] for _ in range(12))
 
 
+def test_numberline_mirror_draws_the_view_either_way_up_whatever_the_answers():
+    """mirror=True: the same games (start, target) as without it; each step a coin from the seed draws
+    the view either way up and '+' moves toward where the view's numbers grow, so the expert (who
+    reads the view) still walks straight to the target. The coins do not depend on the answers: a
+    policy blind to the view moves the marker by +-1 at random whatever it says."""
+    kwargs = dict(max_position=9, min_distance=6, observation="relative", frame="strip")
+    plain, mirrored = NumberLineGame(**kwargs), NumberLineGame(mirror=True, **kwargs)
+    orientations = set()
+    for seed in range(8):
+        plain.reset(seed), mirrored.reset(seed)
+        assert (mirrored.position, mirrored.target) == (plain.position, plain.target)
+        coins = {}
+        for answers in (["+"] * 12, ["-"] * 12, ["?", "+", "-"] * 4):  # the same seed, other answers
+            mirrored.reset(seed)
+            seen = [mirrored.orientation]
+            for answer in answers:
+                position = mirrored.position
+                _, _, done, _ = mirrored.step(answer)
+                step = {"+": 1, "-": -1}.get(answer, 0) * seen[-1]  # the move, turned by the view it was made in
+                assert mirrored.position == min(max(position + step, 0), 9) or done
+                if done:
+                    break
+                seen.append(mirrored.orientation)
+            coins[tuple(answers)] = seen
+        first, *others = coins.values()
+        assert all(c == first[:len(c)] or first == c[:len(first)] for c in others)
+        orientations.update(first)
+        state = mirrored.reset(seed)
+        for _ in range(9):  # the expert, reading the view, never moves away
+            offset = int(state.observation.split()[3]) * (1 if state.observation.endswith("right.") else -1)
+            assert state.expert_action == ("+" if offset > 0 else "-")
+            assert offset == (mirrored.target - mirrored.position) * mirrored.orientation
+            state, reward, done, success = mirrored.step(state.expert_action)
+            assert reward >= 0
+            if done:
+                break
+        assert success
+    assert orientations == {1, -1}
+    with pytest.raises(ValueError, match="mirror needs observation='relative' and frame='strip'"):
+        NumberLineGame(mirror=True, observation="relative")  # the card table's numbered ticks would not turn
+
+
 def test_points24_rewards_by_hand():
     game = Points24Game()
     assert _play(game, ["8", "3", "8", "3"], "8 / ( 3 - 8 / 3 ) =".split())[0] == 10.0

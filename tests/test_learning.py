@@ -207,6 +207,18 @@ def test_blind_ceiling_is_the_best_fixed_plan_and_the_bar_of_the_blanked_control
     assert learning.blind_ceiling("numberline", 16, ["+env.kwargs.stop_action=true"]) is None  # 3 ** 12 plans
 
 
+def test_on_vision_mirror_a_blind_policy_plays_at_the_random_policys_level():
+    """``vision_mirror`` (the view drawn either way up each step): on the same 256 held-out games, a
+    constant move wins about half of ``vision``'s and no more than a random walk of ``vision_mirror``'s;
+    the games themselves are the same (the random valid policy's level barely moves)."""
+    learning = _learning_module()
+    assert learning.compose_config(["experiment=learning_vision_mirror"]).env.kwargs["mirror"] is True
+    plain, mirror = (learning.constant_move_success(task, 256) for task in ("vision", "vision_mirror"))
+    random_plain, random_mirror = (learning.random_valid_success(task, 256) for task in ("vision", "vision_mirror"))
+    assert min(plain.values()) > 0.4 and max(mirror.values()) < 0.1
+    assert abs(random_mirror - random_plain) < 0.03 and max(mirror.values()) < 2 * random_mirror
+
+
 def test_random_valid_policy_rarely_wins_the_benchmark_tasks():
     """The warm-started tasks are hard for a random walk; the pretrained task is not (its start is a
     zero-shot model that rarely answers in the reference's format at all: what RL must lift first),

@@ -224,6 +224,35 @@ def test_tiny_vl_processes_a_frame_and_generates():
         assert not torch.allclose(model(**other).logits[0, -1], logits[0, -1])
 
 
+def test_numberline_mirror_frames_turn_with_the_view():
+    """mirror=True in image mode (the vision task's control game): the strip is drawn either way up
+    (the unturned strip, or it upside down), the red cell at the offset the view's text names (the
+    text env of the same seeds, same coins), and the fixed sentence says which way '+' moves."""
+    from torchrl_agent.envs.games.images import STRIP_CELL, numberline_strip
+
+    kwargs = dict(num_groups=4, group_size=1, seed=3, max_position=9, min_distance=6, observation="relative",
+                  frame="strip", mirror=True)
+    env, text = make_env("numberline", modality="image", **kwargs), make_env("numberline", **kwargs)
+    for e in (env, text):  # (each draws its next training seeds the same way)
+        check_env_specs(e)
+    td, td_text = env.reset(), text.reset()
+    assert "'+' moves you one cell down the column" in td["observation"][0]
+    orientations = set()
+    for _ in range(4):
+        for frame, observation, game in zip(td["pixels"], td_text["observation"], env.games):
+            cells = frame[STRIP_CELL // 2::STRIP_CELL, STRIP_CELL // 2].tolist()
+            words = observation.split()
+            offset = int(words[3]) * (1 if words[-1] == "right." else -1)
+            assert cells[9] == [30, 80, 230] and cells[9 + offset] == [200, 20, 20]
+            unturned = numberline_strip(game.position, game.target, 9)
+            assert np.array_equal(frame.numpy(), unturned if game.orientation == 1 else unturned[::-1])
+            orientations.add(game.orientation)
+        td["action"] = td_text["action"] = ["+"] * 4
+        td, td_text = env.step(td)["next"], text.step(td_text)["next"]
+        assert torch.equal(td["anchor"], td_text["anchor"])
+    assert orientations == {1, -1}
+
+
 def test_the_vision_tasks_blank_control_is_one_override_away():
     """``benchmarks/learning.py --tasks vision --set env.kwargs.blank_images=true`` (the documented
     control) composes, and the env it builds draws every frame black; without it, the frames show

@@ -19,6 +19,14 @@ with ``wrong_move_reward``, and a move off the target costs ``wrong_move_reward`
 does not get closer. A policy blind to the state then wins almost nothing: a constant move never
 stops, where without ``stop`` it wins every game whose target lies on its side (about half).
 
+``mirror`` (ours, default off) draws the line either way up, a fair coin each step (from the seed):
+the moves are the view's (``+`` toward where the view's numbers grow: down the strip, right in the
+relative text), so a move's effect on the line is the coin's. A policy that reads the view plays as
+before; a policy blind to it moves the marker as a random walk whatever it answers, so no blind
+policy, history-aware or not, wins more than the uniformly random policy (on the line it *is* one).
+Needs ``observation="relative"`` and ``frame="strip"`` (an absolute position or the card table's
+numbered ticks would not turn with the view).
+
 ``observation`` (ours) chooses how the state is written: ``"absolute"`` (the reference: "Position: 3.
 Target: 8.", the move needs a comparison of two numbers) or ``"relative"`` ("The target is 5 steps to
 your right.", the offset the way the BabyAI rendering gives its objects: a model reads the move off a
@@ -57,18 +65,24 @@ class NumberLineGame(TextGame):
                           f"blue marker: {IMAGE_PLACEHOLDER}")
     STRIP_OBSERVATION = (f"The line is shown in the image as a column, its numbers growing downwards, seen from "
                          f"you: you are the blue cell in the middle, the target is the red cell: {IMAGE_PLACEHOLDER}")
+    MIRROR_OBSERVATION = (f"The line is shown in the image as a column seen from you, drawn either way up: you are the "
+                          f"blue cell in the middle, the target is the red cell; '+' moves you one cell down the column, "
+                          f"'-' one cell up: {IMAGE_PLACEHOLDER}")
 
     def __init__(self, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
-                 wrong_move_reward: float = -1.0, stop_action: bool = False):
+                 wrong_move_reward: float = -1.0, stop_action: bool = False, mirror: bool = False):
         if observation not in self.OBSERVATIONS:
             raise ValueError(f"NumberLine: observation must be one of {self.OBSERVATIONS}, got {observation!r}")
         if frame not in self.FRAMES:
             raise ValueError(f"NumberLine: frame must be one of {self.FRAMES}, got {frame!r}")
+        if mirror and (observation, frame) != ("relative", "strip"):
+            raise ValueError(f"NumberLine: mirror needs observation='relative' and frame='strip' (the views that turn "
+                             f"with the line), got observation={observation!r}, frame={frame!r}")
         self.frame = frame
         if frame == "strip":
             self.image_shape = (STRIP_CELL * (2 * max_position + 1), STRIP_CELL, 3)
-            self.VISUAL_OBSERVATION = self.STRIP_OBSERVATION
+            self.VISUAL_OBSERVATION = self.MIRROR_OBSERVATION if mirror else self.STRIP_OBSERVATION
         if not 1 <= min_distance <= (max_distance or max_position) <= max_position:
             raise ValueError(f"NumberLine: need 1 <= min_distance ({min_distance}) <= max_distance "
                              f"({max_distance}) <= max_position ({max_position})")
@@ -81,38 +95,54 @@ class NumberLineGame(TextGame):
             self.ACTIONS = (*self.ACTIONS, self.STOP)
             self.VISUAL_OBSERVATION = self.VISUAL_OBSERVATION.replace(
                 f": {IMAGE_PLACEHOLDER}", f"; answer 'stop' on the target (it covers you and the line turns green): {IMAGE_PLACEHOLDER}")
+        self.mirror = bool(mirror)
+        self.orientation = 1  # the view's direction of growing numbers on the line: 1, or -1 under mirror half the steps
         self.position = self.target = 0
+        self._rng = np.random.default_rng(0)
+
+    def _turn(self) -> None:
+        """``mirror``: a fair coin decides which way up the next view is drawn."""
+        if self.mirror:
+            self.orientation = 1 if self._rng.random() < 0.5 else -1
 
     def reset(self, seed: int) -> GameState:
         rng = np.random.default_rng(seed)
         while True:  # redraw until the distance is in [min_distance, max_distance] (the default: any pair)
             self.target, self.position = (int(x) for x in rng.choice(self.max_position + 1, size=2, replace=False))
             if self.min_distance <= abs(self.target - self.position) <= self.max_distance:
+                self._rng = rng  # (start and target are drawn as without mirror: the same games)
+                self._turn()
                 return self._state()
 
     def step(self, action: str) -> tuple[GameState, float, bool, bool]:
+        reward, done, success = self._move(action)
+        self._turn()  # every step, a valid answer or not: a blind policy learns nothing from waiting
+        return self._state(), reward, done, success
+
+    def _move(self, action: str) -> tuple[float, bool, bool]:
+        """The answer's reward, done and success; the marker moves by the view's direction."""
         before = abs(self.position - self.target)
         action = action.strip() if isinstance(action, str) else ""
         if self.stop_action and action == self.STOP:  # the episode ends here, solved only on the target
-            return self._state(), (1.0 if before == 0 else self.wrong_move_reward), True, before == 0
+            return (1.0 if before == 0 else self.wrong_move_reward), True, before == 0
         move = {"-": -1, "+": 1}.get(action)
         if move is None:  # not an action: nothing happens (reward 0 in the reference)
-            return self._state(), self.invalid_reward, False, False
-        self.position = min(max(self.position + move, 0), self.max_position)
+            return self.invalid_reward, False, False
+        self.position = min(max(self.position + move * self.orientation, 0), self.max_position)
         after = abs(self.position - self.target)
         if after == 0 and not self.stop_action:
-            return self._state(), 1.0, True, True
-        return self._state(), (0.0 if after < before else self.wrong_move_reward), False, False
+            return 1.0, True, True
+        return (0.0 if after < before else self.wrong_move_reward), False, False
 
     def render_image(self) -> np.ndarray:
         if self.frame == "strip":
-            return numberline_strip(self.position, self.target, self.max_position)
+            strip = numberline_strip(self.position, self.target, self.max_position)
+            return strip if self.orientation == 1 else np.ascontiguousarray(strip[::-1])  # about the middle cell
         return numberline_frame(self.position, self.target, self.max_position)
 
     def _state(self) -> GameState:
-        expert = ("+" if self.target > self.position else "-" if self.target < self.position
-                  else self.STOP if self.stop_action else "")
-        offset = self.target - self.position
+        offset = (self.target - self.position) * self.orientation  # as the view shows it
+        expert = "+" if offset > 0 else "-" if offset < 0 else self.STOP if self.stop_action else ""
         if self.observation == "absolute":
             text = f"Position: {self.position}. Target: {self.target}."
         elif offset:
@@ -133,9 +163,10 @@ class NumberLineEnv(TextEnv):
 
     def __init__(self, *, max_position: int = 5, min_distance: int = 1, max_distance: int | None = None,
                  invalid_reward: float = 0.0, observation: str = "absolute", frame: str = "table",
-                 wrong_move_reward: float = -1.0, stop_action: bool = False, max_steps: int = 10, **kwargs):
+                 wrong_move_reward: float = -1.0, stop_action: bool = False, mirror: bool = False,
+                 max_steps: int = 10, **kwargs):
         args = (max_position, min_distance, max_distance, invalid_reward, observation, frame, wrong_move_reward,
-                stop_action)
+                stop_action, mirror)
         NumberLineGame(*args)  # check the arguments now
         super().__init__(lambda: NumberLineGame(*args), max_steps=max_steps, **kwargs)
 
