@@ -30,7 +30,7 @@ on the finals and on ``curve_means`` / ``train_success_means`` (how soon and how
 ``vs_gigpo`` the same for every other method of ``--methods`` minus GiGPO (e.g. ``--methods gigpo
 hgpo graphgpo grpo``). ``blind_ceiling`` is the best success any fixed sequence of moves ``P`` reaches
 on the panel (every one tried; null where there are more than 4096): what a policy that cannot read
-the state can win, the bar for the vision task's blanked control::
+the state can win, the bar for a vision task's blanked control::
 
     python benchmarks/learning.py [--tasks numberline babyai] [--seeds 0 .. 9] [--jobs 2]
                                   [--iterations N] [--threshold 0.8] [--out runs/learning] [--quick]
@@ -46,10 +46,11 @@ shaping (the level's sparse reward only), gamma 0.95, so a move's credit comes b
 episode's end (``--methods gigpo hgpo graphgpo grpo`` compares how each estimator brings it back).
 
 Task ``vision`` (issue 33) runs the bundled tiny VLM (``tiny-vl``) on the long NumberLine seen only as
-an image (a column of cells, the text one fixed sentence), lr 2e-3 and 40 iterations; docs/vision.md
-has why. ``--set env.kwargs.blank_images=true`` is its control (every frame black). Task
-``vision_mirror`` is the same game drawn either way up at random each step (``env.kwargs.mirror``),
-where that control can win no more than the random policy.
+an image (a column of cells, the text one fixed sentence), drawn either way up at random each step
+(``env.kwargs.mirror``), lr 2e-3 and 40 iterations; docs/vision.md has why. ``--set
+env.kwargs.blank_images=true`` is its control (every frame black), which can win no more than the
+random policy there. Task ``vision_upright`` is the same game always drawn one way up (where a blind
+policy that commits to a side wins the games on that side).
 
 ``--quick`` is a smoke run (one task, one seed, 1 iteration, an 8-game panel). A finished run's
 JSON in ``--out`` is reused, so an interrupted benchmark resumes (a run interrupted before its JSON
@@ -94,7 +95,7 @@ METHODS = ("grpo", "gigpo")
 #: success in the group's state graph): at the recipes' ``gamma`` 0 (chosen for GiGPO's
 #: immediate-reward step term) the config refuses it; it gets the reference's 0.95.
 METHOD_SETTINGS = {"graphgpo": ["algorithm.gamma=0.95"]}
-TASKS = ("numberline", "babyai", "babyai_sparse", "ezpoints", "sokoban", "pretrained", "vision", "vision_mirror")
+TASKS = ("numberline", "babyai", "babyai_sparse", "ezpoints", "sokoban", "pretrained", "vision", "vision_upright")
 # the update's metrics kept in every iteration's diagnostics
 DIAGNOSED = ("clip_fraction", "entropy", "grad_norm", "approx_kl", "approx_kl_max", "response_kl_max", "kl_step_halvings",
              "kl_steps_undone", "update_steps", "update_kl", "update_kl_halvings")
@@ -138,7 +139,7 @@ class LearningTrainer(Trainer):
         finally:
             self.model.train()
             self.eval_policy.temperature = previous
-        return {f"eval_{k}": v for k, v in episode_metrics(rows).items()}, rows
+        return {f"eval_{k}": v for k, v in episode_metrics(rows, self.eval_policy.max_new_tokens).items()}, rows
 
     def update(self, rows):
         stats = advantage_stats(rows)
@@ -253,11 +254,11 @@ def constant_move_success(task: str, episodes: int, overrides: Sequence[str] = (
 def blind_ceiling(task: str, episodes: int, overrides: Sequence[str] = (), max_plans: int = 4096) -> dict | None:
     """The best held-out success of any open-loop plan (a fixed sequence of moves, one per step),
     every plan tried on the ``episodes``-game panel: the most a policy that cannot read the state can
-    win. A memoryless policy whose prompt never changes (the vision task with its frame blanked)
+    win. A memoryless policy whose prompt never changes (a vision task with its frame blanked)
     draws every step's move from one distribution: a mixture of such plans, so it wins no more.
     ``{"success": x, "plan": "- - ..."}``, or None where there are more than ``max_plans`` plans
     (moves ** max_steps) to try. On a game that draws from the seed whatever the answers
-    (``vision_mirror``'s coins) every plan wins the random walk's share in expectation, and the best
+    (``vision``'s coins) every plan wins the random walk's share in expectation, and the best
     of them on the panel is above it by selection alone."""
     env = panel_env(task, episodes, overrides)
     moves = moves_of(env.reset()["admissible_actions"][0])

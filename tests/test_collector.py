@@ -112,6 +112,25 @@ def test_token_ledger_counts_every_step(tokenizer):
     assert episode_metrics(rows)["prompt_tokens_total"] == ledger["prompt_tokens_total"]
 
 
+def test_response_at_cap_is_the_share_of_responses_that_used_every_token(tokenizer):
+    """Every third response is junk (no action) as long as the engine's cap, the others the expert's
+    short answer: ``response_at_cap`` is the junk's share, which is the invalid answers' share here;
+    without the cap the metric is absent."""
+    import itertools
+
+    junk = "<think>" + "and so on " * 12
+    cap = len(tokenizer(junk, add_special_tokens=False)["input_ids"])
+    calls = itertools.count()
+    policy = ExpertOrJunk(tokenizer, lambda p: junk if next(calls) % 3 == 0 else expert_text(p))
+    rows = StepCollector(make(tokenizer, 2, 3, max_steps=6), policy, seed=2).collect()
+    lengths = rows["response_tokens"].reshape(-1)
+    assert int(lengths.max()) == cap and int(lengths.min()) < cap  # the expert's answers are shorter
+    metrics = episode_metrics(rows, max_new_tokens=cap)
+    assert 0 < metrics["response_at_cap"] < 1
+    assert metrics["response_at_cap"] == 1 - metrics["action_valid"]
+    assert "response_at_cap" not in episode_metrics(rows)
+
+
 def test_collector_over_worker_processes_matches_in_process(tokenizer):
     def env(workers):
         base = make_env("numberline", num_groups=2, group_size=2, max_steps=5, num_workers=workers)

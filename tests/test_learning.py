@@ -180,18 +180,18 @@ def test_a_constant_move_wins_the_numberline_games_on_its_side():
     exactly the games whose target lies on its side (12 steps cover the largest distance, 9), so
     the two moves' successes sum to 1, on the 64-game evaluation panel as on any other."""
     learning = _learning_module()
-    for task in ("numberline", "vision"):
+    for task in ("numberline", "vision_upright"):
         constant = learning.constant_move_success(task, 64)
         assert sorted(constant) == ["+", "-"] and math.isclose(sum(constant.values()), 1.0)
         assert 0.3 < min(constant.values()), constant  # both sides are drawn
-    assert learning.constant_move_success("vision", 64) == learning.constant_move_success("numberline", 64)  # one panel
+    assert learning.constant_move_success("vision_upright", 64) == learning.constant_move_success("numberline", 64)  # one panel
 
 
 def test_blind_ceiling_is_the_best_fixed_plan_and_the_bar_of_the_blanked_control():
     """``blind_ceiling`` tries every fixed sequence of moves on the panel. On a 6-step NumberLine with
     near targets the best one sweeps (it is no constant move) and replaying it wins what it reports.
-    On the vision task's panel no plan of 12 moves beats ``-`` x12 (0.578): the most the blanked
-    control (a black frame, no memory: one prompt every step) can win."""
+    On the upright vision task's panel no plan of 12 moves beats ``-`` x12 (0.578): the most its
+    blanked control (a black frame, no memory: one prompt every step) can win."""
     import itertools
 
     learning = _learning_module()
@@ -202,19 +202,20 @@ def test_blind_ceiling_is_the_best_fixed_plan_and_the_bar_of_the_blanked_control
     calls = itertools.count()  # the 16 games step together: call // 16 is the step
     assert learning.scripted_success("numberline", 16, lambda admissible: plan[next(calls) // 16], short) == ceiling["success"]
     assert ceiling["success"] > max(learning.constant_move_success("numberline", 16, short).values())
-    vision = learning.blind_ceiling("vision", 64)
-    assert vision == {"success": learning.constant_move_success("vision", 64)["-"], "plan": " ".join(["-"] * 12)}
+    upright = learning.blind_ceiling("vision_upright", 64)
+    assert upright == {"success": learning.constant_move_success("vision_upright", 64)["-"], "plan": " ".join(["-"] * 12)}
     assert learning.blind_ceiling("numberline", 16, ["+env.kwargs.stop_action=true"]) is None  # 3 ** 12 plans
 
 
-def test_on_vision_mirror_a_blind_policy_plays_at_the_random_policys_level():
-    """``vision_mirror`` (the view drawn either way up each step): on the same 256 held-out games, a
-    constant move wins about half of ``vision``'s and no more than a random walk of ``vision_mirror``'s;
+def test_on_the_vision_task_a_blind_policy_plays_at_the_random_policys_level():
+    """``vision`` (the view drawn either way up each step): on the same 256 held-out games, a
+    constant move wins about half of ``vision_upright``'s and no more than a random walk of ``vision``'s;
     the games themselves are the same (the random valid policy's level barely moves)."""
     learning = _learning_module()
-    assert learning.compose_config(["experiment=learning_vision_mirror"]).env.kwargs["mirror"] is True
-    plain, mirror = (learning.constant_move_success(task, 256) for task in ("vision", "vision_mirror"))
-    random_plain, random_mirror = (learning.random_valid_success(task, 256) for task in ("vision", "vision_mirror"))
+    assert learning.compose_config(["experiment=learning_vision"]).env.kwargs["mirror"] is True
+    assert learning.compose_config(["experiment=learning_vision_upright"]).env.kwargs.get("mirror", False) is False
+    plain, mirror = (learning.constant_move_success(task, 256) for task in ("vision_upright", "vision"))
+    random_plain, random_mirror = (learning.random_valid_success(task, 256) for task in ("vision_upright", "vision"))
     assert min(plain.values()) > 0.4 and max(mirror.values()) < 0.1
     assert abs(random_mirror - random_plain) < 0.03 and max(mirror.values()) < 2 * random_mirror
 

@@ -363,9 +363,13 @@ def token_ledger(rows: TensorDictBase) -> dict[str, float]:
     return out
 
 
-def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
+def episode_metrics(rows: TensorDictBase, max_new_tokens: int | None = None) -> dict[str, float]:
     """Per-episode success, reward and length over the rows of complete episodes, how many episodes
-    and groups they are, and the per-task-type success where the environment labels its tasks."""
+    and groups they are, and the per-task-type success where the environment labels its tasks.
+
+    With the engine's ``max_new_tokens``, also ``response_at_cap``: the share of responses that used
+    every token of it (``response_tokens == max_new_tokens``), i.e. were most likely cut by the
+    generation limit (one whose eos fell exactly on the last token is counted too)."""
     done = rows["done"].reshape(-1)
     success = rows["success"].reshape(-1)[done].float()
     traj = rows["traj_id"].reshape(-1)
@@ -379,12 +383,20 @@ def episode_metrics(rows: TensorDictBase) -> dict[str, float]:
         "action_valid": rows["action_valid"].float().mean().item(),
         # responses cut to the projection's max_chars before parsing
         "responses_cut": int(rows["response_cut"].sum()) if "response_cut" in rows.keys() else 0,
+        **_at_cap(rows, max_new_tokens),
         "episodes": int(done.sum()),
         **_groups(rows, done),
         **_per_task_success(rows, done),
         **_task_score(rows, done),
         **token_ledger(rows),
     }
+
+
+def _at_cap(rows: TensorDictBase, max_new_tokens: int | None) -> dict[str, float]:
+    """``response_at_cap``: the share of rows whose response is ``max_new_tokens`` long (none without it)."""
+    if max_new_tokens is None or "response_tokens" not in rows.keys():
+        return {}
+    return {"response_at_cap": (rows["response_tokens"].reshape(-1) >= max_new_tokens).float().mean().item()}
 
 
 def _groups(rows: TensorDictBase, done: torch.Tensor) -> dict[str, int]:

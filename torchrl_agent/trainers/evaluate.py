@@ -72,7 +72,7 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
     result = {"env": cfg.env.name, "policy": str(source), "engine": "http" if e.endpoint else r.engine, "episodes": 0,
               "success": 0.0}
     if parts:
-        metrics = episode_metrics(lazy_stack([row for part in parts for row in part]))
+        metrics = episode_metrics(lazy_stack([row for part in parts for row in part]), policy.max_new_tokens)
         result.update(episodes=metrics.pop("episodes"), success=metrics.pop("success"), **metrics)
     if e.endpoint:
         result.update(failed_episodes=len(policy.errors), endpoint_errors=policy.errors[:5])

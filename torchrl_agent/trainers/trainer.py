@@ -190,7 +190,7 @@ class Trainer:
         self.scorer.score(rows)  # old (and reference) log-probs, written into the rows once
         # the advantages (+ KL in the reward, PPO's critic update)
         rows, prepared = self.hooks.prepare(rows, self.advantage, self.iteration, self.loss.tensor_keys)
-        metrics.update(episode_metrics(rows), **prepared)
+        metrics.update(episode_metrics(rows, self.policy.max_new_tokens), **prepared)
         return rows, metrics
 
     def update(self, rows: TensorDictBase) -> dict[str, float]:
@@ -224,7 +224,7 @@ class Trainer:
         finally:
             env.close()  # worker processes, if any
         self.model.train()
-        return {f"eval_{k}": v for k, v in episode_metrics(rows).items()}
+        return {f"eval_{k}": v for k, v in episode_metrics(rows, self.eval_policy.max_new_tokens).items()}
 
     def warm_start(self) -> dict[str, float]:
         """Supervised steps on expert responses (:func:`~torchrl_agent.trainers.warm_start.warm_start`)."""
