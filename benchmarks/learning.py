@@ -21,7 +21,9 @@ Runs are separate processes, ``--jobs`` at a time (2 on 2 cores), one torch thre
 Writes ``--out`` (a folder: per-run JSON and the curves PNG) and prints one JSON object as the LAST
 line, shaped ``{"tasks": {TASK: {"random_policy_success": x, "constant_move_success": {MOVE: x},
 "blind_ceiling": {"success": x, "plan": P} or null, "threshold": x, "warm_start_only": W,
-"methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C, "vs_gigpo": {METHOD: C}}}}``: ``M`` holds
+"methods": {"grpo": M, "gigpo": M}, "gigpo_vs_grpo": C, "vs_gigpo": {METHOD: C}, "environments": [E]}}}``:
+``E`` the package versions and CPU kernels the runs were made in (:func:`environment`; one entry
+when they all match, none for runs older than it: a seed reproduces a run only in the same one); ``M`` holds
 per seed the final evaluations (``finals``, ``finals_sampled``) and ``reached_threshold`` (seeds whose FINAL greedy
 evaluation is at or above the threshold); ``W`` the warm-started model's panel per seed (iteration 0,
 the same weights for both methods); ``C`` GiGPO minus GRPO paired over seeds, with a 95% t and
@@ -375,6 +377,21 @@ def start_over(run_dir: str) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
+def environment() -> dict:
+    """What a run's numbers depend on besides the code and the seed: the versions of the packages on
+    the numeric path and the CPU kernels torch picked. A seed gives the same run only where these
+    match (the float results of the kernels, and so the sampled answers, differ across them)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0], "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    for package in ("torch", "transformers", "tokenizers", "tensordict", "torchrl", "numpy", "pillow"):
+        try:
+            out[package] = version(package)
+        except PackageNotFoundError:
+            out[package] = None
+    return out
+
+
 def run_one(task: str, method: str, seed: int, args) -> dict:
     """One training run in this process; returns its curves, diagnostics and timings."""
     cfg = compose_config(overrides_for(task, method, seed, args))
@@ -384,7 +401,7 @@ def run_one(task: str, method: str, seed: int, args) -> dict:
     summary = trainer.train()
     wall = time.perf_counter() - t0
     iteration_s = [h["iteration_s"] for h in trainer.history if "iteration_s" in h]
-    run = {"task": task, "method": method, "seed": seed, "panel": trainer.panel,
+    run = {"task": task, "method": method, "seed": seed, "environment": environment(), "panel": trainer.panel,
            "diagnostics": trainer.diagnostics, "wall_s": round(wall, 1),
            "rl_s_per_iteration": statistics.fmean(iteration_s) if iteration_s else None,
            "warm_start_loss": summary.get("warm_start_loss"),
@@ -685,6 +702,9 @@ def main() -> None:
             continue
         first = max(info["methods"].values(), key=lambda m: m["runs"])  # the method with the most seeds
         # the warm start alone (RL iteration 0): the same weights for every method of a seed
+        # the environments the runs were made in (older JSONs have none): one, or the seeds may not match a rerun
+        envs = [r["environment"] for r in runs if r["task"] == task and r.get("environment")]
+        info["environments"] = [e for i, e in enumerate(envs) if e not in envs[:i]]
         info["warm_start_only"] = {"seeds": first["seeds"], "greedy": first["after_warm_start"],
                                    "sampled": first["after_warm_start_sampled"],
                                    "greedy_mean": first["after_warm_start_mean"],

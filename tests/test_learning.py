@@ -155,9 +155,14 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
 
     learning = _learning_module()
     finals = {("gigpo", 0): 1.0, ("gigpo", 1): 0.9, ("gigpo", 2): 1.0, ("grpo", 0): 0.5, ("grpo", 1): 0.9}
+    here = learning.environment()
+    elsewhere = {**here, "numpy": "0.0+elsewhere"}
     for (method, seed), final in finals.items():
+        run = _fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)])
+        if seed < 2:  # seed 2 is an old run's JSON, without its environment
+            run["environment"] = elsewhere if (method, seed) == ("grpo", 1) else here
         with open(tmp_path / f"numberline_{method}_seed{seed}.json", "w") as f:
-            json.dump(_fake_run(seed, method, [(0, 0.4, 0.1), (5, final, final)]), f)
+            json.dump(run, f)
     monkeypatch.setattr(learning, "random_valid_success", lambda task, episodes, **kw: 0.05)
     monkeypatch.setattr(learning, "constant_move_success", lambda task, episodes, *a: {"+": 0.25, "-": 0.75})
     monkeypatch.setattr(learning, "blind_ceiling", lambda task, episodes, *a: {"success": 0.75, "plan": "- -"})
@@ -170,6 +175,8 @@ def test_report_summarises_finished_runs_without_running_the_missing_ones(tmp_pa
     assert info["methods"]["gigpo"]["finals"] == [1.0, 0.9, 1.0] and info["methods"]["grpo"]["seeds"] == [0, 1]
     assert info["warm_start_only"]["seeds"] == [0, 1, 2] and info["constant_move_success"] == {"+": 0.25, "-": 0.75}
     assert info["gigpo_vs_grpo"]["finals"]["seeds"] == [0, 1]
+    assert info["environments"] == [here, elsewhere] or info["environments"] == [elsewhere, here]
+    assert here["torch"] == torch.__version__ and here["transformers"]  # what a rerun must match
     assert info["vs_gigpo"]["grpo"]["finals"]["mean_difference"] == -info["gigpo_vs_grpo"]["finals"]["mean_difference"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".json") == sorted(
         f"numberline_{m}_seed{s}.json" for m, s in finals)  # nothing new was run
