@@ -45,6 +45,39 @@ def test_tiny_model_is_cached_and_deterministic(tiny_path, tmp_path, monkeypatch
     assert not all(torch.equal(a[k], other[k]) for k in a)
 
 
+def test_a_model_folder_built_meanwhile_is_kept_not_deleted_under_its_readers(tiny_path, tmp_path):
+    """Parallel runs on a new machine build the same recipe at once; the one that finishes second
+    used to delete the first one's folder and move its own in, failing the first one's loading
+    (its tokenizer file gone). Now a complete folder stays as it is (``replace=True``, the builders'
+    ``force``, replaces it) and an incomplete one is replaced; no temporary folder is left."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from torchrl_agent.models.tiny import save_model_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    first, second = (AutoModelForCausalLM.from_pretrained(tiny_path) for _ in range(2))
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(1.0)  # another build's weights
+    folder = tmp_path / "models" / "tiny-x"
+    assert save_model_folder(first, tokenizer, folder) == folder
+    before = os.stat(folder / "model.safetensors")
+    assert save_model_folder(second, tokenizer, folder) == folder  # built meanwhile: kept
+    after = os.stat(folder / "model.safetensors")
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    kept = load_file(folder / "model.safetensors")
+    assert all(torch.equal(kept[k], v) for k, v in first.state_dict().items() if k in kept)
+    save_model_folder(second, tokenizer, folder, replace=True)
+    assert all(torch.equal(load_file(folder / "model.safetensors")[k], v)
+               for k, v in second.state_dict().items() if k in kept)
+    broken = tmp_path / "models" / "tiny-broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # an incomplete folder (no weights) is replaced
+    save_model_folder(first, tokenizer, broken)
+    assert (broken / "model.safetensors").exists() and (broken / "tokenizer.json").exists()
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".tmp-")]
+
+
 def test_tiny_recipes_are_pinned():
     """Every learning figure in the docs was measured on these two models: their recipes (corpus,
     sizes, seed) hash to the folders they were built in. Editing a prompt template that the corpora

@@ -46,4 +46,4 @@ def build_smollm2(*, force: bool = False) -> Path:
     model = AutoModelForCausalLM.from_config(config)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    return save_model_folder(model, tokenizer, folder)
+    return save_model_folder(model, tokenizer, folder, replace=force)

@@ -215,7 +215,7 @@ def build_tiny_model(seed: int = 0, *, force: bool = False, size: str = "tiny") 
         pad_token_id=tokenizer.pad_token_id,
         **TINY_SIZES[size],
     )
-    return save_model_folder(seeded_model(Qwen2ForCausalLM, config, tokenizer, seed), tokenizer, folder)
+    return save_model_folder(seeded_model(Qwen2ForCausalLM, config, tokenizer, seed), tokenizer, folder, replace=force)
 
 
 def seeded_model(model_class, config, tokenizer, seed: int):
@@ -234,17 +234,26 @@ def seeded_model(model_class, config, tokenizer, seed: int):
     return model
 
 
-def save_model_folder(model, tokenizer, folder: Path) -> Path:
+def save_model_folder(model, tokenizer, folder: Path, *, replace: bool = False) -> Path:
     """Save a model and its tokenizer as a Hugging Face folder, atomically: written beside the
-    target, then renamed, so a crash never leaves a half-written model."""
+    target, then renamed, so a crash never leaves a half-written model.
+
+    A complete folder already there (its ``model.safetensors``) is kept, and this build dropped:
+    the builders run on first use, so parallel runs on a new machine build the same recipe at once,
+    and deleting the first one's folder under its readers failed their loading. ``replace=True``
+    (the builders' ``force``) replaces it; an incomplete one is always replaced."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        if folder.exists():
+        try:
+            os.rename(tmp, folder)  # refused where a folder with files is there already
+        except OSError:
+            if (folder / "model.safetensors").exists() and not replace:
+                return folder  # another process's build of the same recipe
             shutil.rmtree(folder)
-        os.replace(tmp, folder)
+            os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return folder

@@ -173,7 +173,7 @@ def build_tiny_vl(seed: int = 0, *, force: bool = False, rope_theta: float | Non
         tie_word_embeddings=True,
     )
     model = seeded_model(Qwen2_5_VLForConditionalGeneration, config, tokenizer, seed)
-    return save_model_folder(model, processor, folder)
+    return save_model_folder(model, processor, folder, replace=force)
 
 
 def load_processor(folder: str | Path):
