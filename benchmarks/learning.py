@@ -58,7 +58,9 @@ policy that commits to a side wins the games on that side).
 JSON in ``--out`` is reused, so an interrupted benchmark resumes (a run interrupted before its JSON
 starts again from the beginning: :func:`start_over`); ``--report`` runs nothing and
 summarises the finished runs of the asked tasks, methods and seeds (the missing ones named on
-stderr; the paired comparison covers the seeds both methods finished).
+stderr; the paired comparison covers the seeds both methods finished). A run that fails is
+reported on stderr when it fails and the others go on; the summary then covers the finished runs
+and the exit status is non-zero, naming the failed ones.
 ``--diagnose TASK`` runs one GRPO seed of TASK and prints the per-iteration diagnostics only
 (overrides after ``--set`` go to the config, e.g. ``--set model.name=tiny warm_start.steps=150``).
 """
@@ -77,6 +79,7 @@ import shutil
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -683,12 +686,17 @@ def main() -> None:
             print(f"not finished: {t} {m} seed {s} (no {t}_{m}_seed{s}.json in {args.out})", file=sys.stderr)
         jobs = []
     ctx = multiprocessing.get_context("spawn")
+    failed: list[tuple] = []
     # the runs end with this process, however it ends (a killed benchmark leaves no run behind)
     with concurrent.futures.ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx, max_tasks_per_child=1,
                                                 initializer=die_with_parent, initargs=(os.getpid(),)) as pool:
-        futures = [pool.submit(_child, t, m, s, args) for t, m, s in jobs]
+        futures = {pool.submit(_child, t, m, s, args): (t, m, s) for t, m, s in jobs}
         for f in concurrent.futures.as_completed(futures):
-            runs.append(f.result())
+            try:
+                runs.append(f.result())
+            except Exception:  # said now, not when the other runs are done; the others go on
+                failed.append(futures[f])
+                print(f"run {' '.join(map(str, futures[f]))} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
     result: dict = {"tasks": {}}
     for task in args.tasks:
         by_method = {m: [r for r in runs if r["task"] == task and r["method"] == m] for m in args.methods}
@@ -722,6 +730,8 @@ def main() -> None:
         with open(args.markdown, "w") as f:
             f.write(results_markdown(result))
     print(json.dumps(result))
+    if failed:  # the finished runs are summarised above; the exit status says that some are missing
+        sys.exit(f"{len(failed)} run(s) failed: " + ", ".join(f"{t} {m} seed {s}" for t, m, s in failed))
 
 
 if __name__ == "__main__":

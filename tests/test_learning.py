@@ -426,6 +426,36 @@ def test_a_killed_benchmark_leaves_no_run_behind(tmp_path):
     assert not alive, f"runs left behind: {alive}"
 
 
+def test_a_failed_run_is_reported_when_it_fails_and_the_finished_runs_are_still_summarised(tmp_path):
+    """A run that fails (here: its folder is held by a live process) is reported on stderr as it
+    fails; the benchmark still summarises the runs that finished, then exits non-zero naming it."""
+    import socket
+    import subprocess
+
+    from torchrl_agent.trainers.run_dir import _start_time
+
+    out = tmp_path / "runs"
+    (out / "numberline_grpo_seed0").mkdir(parents=True)
+    with open(out / "numberline_grpo_seed1.json", "w") as f:  # seed 1 finished earlier
+        json.dump(_fake_run(1, "grpo", [(0, 0.4, 0.1), (5, 0.9, 0.8)]), f)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        (out / "numberline_grpo_seed0" / ".lock").write_text(json.dumps(
+            {"pid": holder.pid, "host": socket.gethostname(), "started": _start_time(holder.pid)}))
+        bench = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "learning.py"), "--tasks", "numberline",
+                                "--methods", "grpo", "--seeds", "0", "1", "--out", str(out),
+                                "--plot", str(tmp_path / "curves.png")], capture_output=True, text=True, timeout=600)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert bench.returncode != 0
+    assert "run numberline grpo 0 failed" in bench.stderr and "held by a running run" in bench.stderr
+    assert bench.stderr.strip().splitlines()[-1] == "1 run(s) failed: numberline grpo seed 0"
+    info = json.loads(bench.stdout.strip().splitlines()[-1])["tasks"]["numberline"]
+    assert info["methods"]["grpo"]["seeds"] == [1] and info["methods"]["grpo"]["finals"] == [0.9]
+    assert not (out / "numberline_grpo_seed0.json").exists()
+
+
 def test_update_diagnosis_records_every_step_and_finds_the_moved_tokens(tmp_path):
     """benchmarks/update_diagnosis.py: one record per optimizer step, with the step's epoch and
     mini-batch, every row counted once per epoch, a KL per token kind; at a large lr the steps move the
