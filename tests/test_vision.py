@@ -271,7 +271,8 @@ def test_the_vision_task_is_the_long_numberline_seen_as_an_image():
     """``experiment=learning_vision_upright`` takes its game, rewards, batch, warm start and RL settings
     from ``learning_numberline`` and changes only what seeing it needs: the model, the frame, the
     longer RL (iterations, lr) and the longer format warm start; ``experiment=learning_vision`` (the
-    benchmark's task ``vision``) is that and the view drawn either way up. A setting changed in the
+    benchmark's task ``vision``) is that, the view drawn either way up and twice the groups per
+    iteration. A setting changed in the
     text task reaches both vision tasks; one that differs must be named here."""
     from omegaconf import OmegaConf
 
@@ -285,8 +286,9 @@ def test_the_vision_task_is_the_long_numberline_seen_as_an_image():
 
     text, vision, mirrored = (flat(OmegaConf.to_container(OmegaConf.structured(compose_config([f"experiment=learning_{t}"]))))
                               for t in ("numberline", "vision_upright", "vision"))
-    assert {key for key in vision.keys() | mirrored.keys() if vision.get(key) != mirrored.get(key)} == {"env.kwargs.mirror"}
-    assert mirrored["env.kwargs.mirror"] is True
+    assert {key for key in vision.keys() | mirrored.keys() if vision.get(key) != mirrored.get(key)} == {
+        "env.kwargs.mirror", "env.num_groups"}
+    assert mirrored["env.kwargs.mirror"] is True and mirrored["env.num_groups"] == 2 * vision["env.num_groups"] == 32
     differ = {key for key in text.keys() | vision.keys() if text.get(key, "absent") != vision.get(key, "absent")}
     assert {key for key in differ if not key.startswith("model.")} == {
         "env.kwargs.modality", "env.kwargs.frame", "env.kwargs.blank_images", "iterations", "warm_start.steps",
