@@ -589,3 +589,29 @@ def test_every_method_composes_on_every_task_with_only_its_own_settings_apart():
     assert sparse.algorithm.gamma == 0.95 and shaped.algorithm.gamma == 0.0
     assert {k: v for k, v in sparse.env.kwargs.items() if k != "shaping"} == {
         k: v for k, v in shaped.env.kwargs.items() if k != "shaping"}
+
+
+def test_advantage_split_recomputes_the_trainers_advantages():
+    """benchmarks/advantage_split.py (issue 36): the variant of the run's own settings reproduces the
+    advantages the trainer wrote, each variant counts every row once as valid or invalid, and an
+    invalid answer paid far below any move's reward leaves the invalid rows a negative mean advantage
+    (where both kinds of row were sampled); ``--update`` reports each kind of row's log-prob change."""
+    spec = importlib.util.spec_from_file_location("advantage_split",
+                                                  os.path.join(ROOT, "benchmarks", "advantage_split.py"))
+    split = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(split)
+    # a short format warm start: the first batch holds valid and invalid answers (6 of 32 valid)
+    result = split.main(["--set", "experiment=learning_numberline", "warm_start.steps=10", "env.num_groups=2",
+                         "env.group_size=4", "env.max_steps=4", "env.eval_episodes=2", "progress=false",
+                         "--invalid-rewards", "-100", "0", "--gammas", "0", "--algorithms", "gigpo", "grpo", "--update"])
+    assert result["matches_trainer"]
+    assert 0 < result["valid_rows"] < result["rows"]
+    assert len(result["variants"]) == 4
+    for v in result["variants"]:
+        assert v["valid"]["rows"] + v["invalid"]["rows"] == result["rows"]
+        assert v["valid"]["rows"] == result["valid_rows"]
+    harsh = [v for v in result["variants"] if v["invalid_reward"] == -100]
+    assert all(v["invalid"]["mean"] < 0 < v["valid"]["mean"] for v in harsh)
+    change = result["update"]["token_log_prob_change"]
+    assert change["valid"]["rows"] + change["invalid"]["rows"] == result["rows"]
+    assert all(math.isfinite(c["mean"]) for c in change.values() if c["rows"])
