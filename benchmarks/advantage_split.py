@@ -78,6 +78,51 @@ def variant_advantage(overrides: list[str], rows, valid, invalid_reward, gamma, 
     return row_advantage(build_advantage(cfg)(variant), key)
 
 
+def measure(args, run_dir: str) -> dict:
+    """The JSON object of the module docstring, for the parsed ``args``; the run writes into ``run_dir``."""
+    overrides = [*args.set, "iterations=1", "eval_every=0"]
+    cfg = compose_config([*overrides, f"run_dir={run_dir}"])
+    trainer = Trainer(cfg)
+    try:
+        trainer._start({})  # the run's start as train() makes it: the warm start where the config has one
+        t0 = time.perf_counter()
+        rows, collected = trainer.collect_rows()
+        collect_s = time.perf_counter() - t0
+        if rows is None:
+            raise RuntimeError(f"every episode of the batch faulted, nothing to split: {collected}")
+        key = trainer.loss.tensor_keys.advantage
+        valid = rows["action_valid"].reshape(-1).bool()
+        own = row_advantage(rows, key)
+        result: dict = {"set": args.set, "rows": int(rows.shape[0]), "valid_rows": int(valid.sum()),
+                        "success": collected.get("success"), "collect_s": round(collect_s, 1),
+                        "valid_rewards": [float(r) for r in rows["reward"].reshape(-1)[valid]],
+                        "trainer": split(own, valid)}
+        again = variant_advantage(overrides, rows, valid, None, cfg.algorithm.gamma, cfg.algorithm.name, key)
+        result["matches_trainer"] = bool(torch.allclose(again, own, atol=1e-5))
+        variants = []
+        for inv in args.invalid_rewards or [None]:
+            for gamma in args.gammas or [cfg.algorithm.gamma]:
+                for algorithm in args.algorithms or [cfg.algorithm.name]:
+                    adv = variant_advantage(overrides, rows, valid, inv, gamma, algorithm, key)
+                    variants.append({"invalid_reward": inv, "gamma": gamma, "algorithm": algorithm, **split(adv, valid)})
+        result["variants"] = variants
+        if args.update:
+            log_prob, entropy = token_means(trainer, rows)
+            t0 = time.perf_counter()
+            metrics = trainer.update(rows)
+            update_s = time.perf_counter() - t0
+            log_prob_after, entropy_after = token_means(trainer, rows)
+            result["update"] = {
+                "update_s": round(update_s, 1),
+                **{k: metrics[k] for k in ("approx_kl", "update_kl", "kl_ref", "kl_step_halvings", "update_kl_halvings")
+                   if k in metrics},
+                "token_log_prob_before": split(log_prob, valid), "token_log_prob_change": split(log_prob_after - log_prob, valid),
+                "entropy_before": split(entropy, valid), "entropy_after": split(entropy_after, valid)}
+        return result
+    finally:
+        trainer.close()  # engines and worker processes, the run folder's lock
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--set", nargs="*", default=[], help="the experiment's overrides (key=value ...)")
@@ -87,43 +132,8 @@ def main(argv=None) -> dict:
     p.add_argument("--algorithms", nargs="*", default=[])
     p.add_argument("--update", action="store_true", help="then one update, and each kind of row's log-prob before/after")
     args = p.parse_args(argv)
-    run_dir = tempfile.mkdtemp(prefix="advantage_split_")
-    overrides = [*args.set, "iterations=1", "eval_every=0"]
-    cfg = compose_config([*overrides, f"run_dir={run_dir}"])
-    trainer = Trainer(cfg)
-    trainer._start({})  # the run's start as train() makes it: the warm start where the config has one
-    t0 = time.perf_counter()
-    rows, collected = trainer.collect_rows()
-    collect_s = time.perf_counter() - t0
-    key = trainer.loss.tensor_keys.advantage
-    valid = rows["action_valid"].reshape(-1).bool()
-    own = row_advantage(rows, key)
-    result: dict = {"set": args.set, "rows": int(rows.shape[0]), "valid_rows": int(valid.sum()),
-                    "success": collected.get("success"), "collect_s": round(collect_s, 1),
-                    "valid_rewards": [float(r) for r in rows["reward"].reshape(-1)[valid]],
-                    "trainer": split(own, valid)}
-    again = variant_advantage(overrides, rows, valid, None, cfg.algorithm.gamma, cfg.algorithm.name, key)
-    result["matches_trainer"] = bool(torch.allclose(again, own, atol=1e-5))
-    variants = []
-    for inv in args.invalid_rewards or [None]:
-        for gamma in args.gammas or [cfg.algorithm.gamma]:
-            for algorithm in args.algorithms or [cfg.algorithm.name]:
-                adv = variant_advantage(overrides, rows, valid, inv, gamma, algorithm, key)
-                variants.append({"invalid_reward": inv, "gamma": gamma, "algorithm": algorithm, **split(adv, valid)})
-    result["variants"] = variants
-    if args.update:
-        log_prob, entropy = token_means(trainer, rows)
-        t0 = time.perf_counter()
-        metrics = trainer.update(rows)
-        update_s = time.perf_counter() - t0
-        log_prob_after, entropy_after = token_means(trainer, rows)
-        result["update"] = {
-            "update_s": round(update_s, 1),
-            **{k: metrics[k] for k in ("approx_kl", "update_kl", "kl_ref", "kl_step_halvings", "update_kl_halvings")
-               if k in metrics},
-            "token_log_prob_before": split(log_prob, valid), "token_log_prob_change": split(log_prob_after - log_prob, valid),
-            "entropy_before": split(entropy, valid), "entropy_after": split(entropy_after, valid)}
-    trainer.close()
+    with tempfile.TemporaryDirectory(prefix="advantage_split_") as run_dir:  # the run's folder, removed after
+        result = measure(args, run_dir)
     print(json.dumps(result), flush=True)
     return result
 
