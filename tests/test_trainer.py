@@ -104,11 +104,21 @@ def test_eval_runs_a_checkpoint_on_the_fixed_panel(tmp_path, capsys):
     assert main(args) == 0
     first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert first["episodes"] == 4 and 0.0 <= first["success"] <= 1.0 and first["policy"] == str(checkpoint)
-    assert main(args) == 0  # the same panel and seed: the same result
+    transcripts = tmp_path / "eval" / "steps.jsonl"
+    assert main([*args, f"eval.transcripts={transcripts}"]) == 0  # the same panel and seed: the same result
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert again["success"] == first["success"] and again["episode_reward"] == first["episode_reward"]
+    # eval.transcripts: every step of the panel, one JSON object a step, agreeing with the result
+    steps = [json.loads(line) for line in transcripts.read_text().splitlines()]
+    assert again["transcript_steps"] == len(steps) == first["episode_length"] * 4
+    assert len({s["episode"] for s in steps}) == 4 and all(isinstance(s["response"], str) for s in steps)
+    assert sum(s["action_valid"] for s in steps) / len(steps) == pytest.approx(first["action_valid"])
+    ends = [s for s in steps if s["done"]]
+    assert len(ends) == 4 and sum(s["success"] for s in ends) / 4 == first["success"]
     assert main(["eval", "experiment=smoke", "eval.checkpoint=/nonexistent.pt"]) == 2
     assert "eval.checkpoint" in capsys.readouterr().err
+    assert main([*args, f"eval.transcripts={tmp_path}"]) == 2  # a folder: refused before the panel runs
+    assert "eval.transcripts" in capsys.readouterr().err
 
 
 def test_eval_runs_a_checkpoint_with_the_vllm_engine(tmp_path, capsys):

@@ -179,6 +179,9 @@ class EvalConfig:
     timeout: float = 30.0  # endpoint: seconds per request attempt
     retries: int = 2  # endpoint: attempts after the first (backoff 0.5 s, doubling)
     chunk_episodes: int = 8  # endpoint: panel episodes run per chunk (an interrupt keeps finished chunks)
+    # a JSONL file written with every step of the panel: episode, step, observation, response, action,
+    # action_valid, reward, done, success (what the policy answered, to read; the prompt is left out)
+    transcripts: Optional[str] = None
 
 
 @dataclass

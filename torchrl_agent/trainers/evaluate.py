@@ -17,11 +17,16 @@ truncated, counted as a failure): the result reports ``failed_episodes`` and the
 ``endpoint_errors``, each naming the URL and what was wrong. The panel runs in chunks of
 ``eval.chunk_episodes`` episodes; on Ctrl-C the finished chunks are reported
 (``"interrupted": true``).
+
+``eval.transcripts=PATH`` writes every step of the panel to a JSONL file (one object a step: ``episode``,
+``step``, ``observation``, ``response``, ``action``, ``action_valid``, ``reward``, ``done``, ``success``),
+to read what the policy answered; the result names the file and how many steps it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -71,15 +76,39 @@ def evaluate_policy(cfg: TrainConfig) -> dict:
         logger.warning("interrupted: reporting the %d finished chunk(s) of the panel", len(parts))
     result = {"env": cfg.env.name, "policy": str(source), "engine": "http" if e.endpoint else r.engine, "episodes": 0,
               "success": 0.0}
-    if parts:
-        metrics = episode_metrics(lazy_stack([row for part in parts for row in part]), policy.max_new_tokens)
+    rows = [row for part in parts for row in part]
+    if rows:
+        metrics = episode_metrics(lazy_stack(rows), policy.max_new_tokens)
         result.update(episodes=metrics.pop("episodes"), success=metrics.pop("success"), **metrics)
+    if e.transcripts:
+        result.update(transcripts=e.transcripts, transcript_steps=write_transcripts(rows, e.transcripts))
     if e.endpoint:
         result.update(failed_episodes=len(policy.errors), endpoint_errors=policy.errors[:5])
     if interrupted:
         result["interrupted"] = True
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     return result
+
+
+def write_transcripts(rows: list, path: str) -> int:
+    """Write the panel's step rows (:class:`~torchrl_agent.collectors.StepCollector`'s, in order) to
+    ``path`` as JSONL, one object a step (module docstring); returns how many were written."""
+    def scalar(row, key):
+        return row[key].reshape(-1)[0].item() if key in row.keys() else None
+
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps({
+                "episode": scalar(row, "traj_id"), "step": scalar(row, "step_count"),
+                "observation": row.get_non_tensor("observation", None),
+                "response": row.get_non_tensor(("text", "response"), None),
+                "action": row.get_non_tensor("action", None), "action_valid": bool(scalar(row, "action_valid")),
+                "reward": scalar(row, "reward"), "done": bool(scalar(row, "done")),
+                "success": bool(scalar(row, "success")),
+            }) + "\n")
+    return len(rows)
 
 
 def _engine_policy(cfg: TrainConfig, model, tokenizer):

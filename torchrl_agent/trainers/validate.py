@@ -120,6 +120,8 @@ def validate_config(cfg, *, check_files: bool = True) -> None:
             raise ConfigError(f"model.path={cfg.model.path}: no such folder")
         if cfg.eval.checkpoint is not None and not Path(cfg.eval.checkpoint).is_file():
             raise ConfigError(f"eval.checkpoint={cfg.eval.checkpoint}: no such file")
+        if cfg.eval.transcripts is not None and Path(cfg.eval.transcripts).is_dir():
+            raise ConfigError(f"eval.transcripts={cfg.eval.transcripts}: a folder; name the JSONL file to write")
         if cfg.resume == "auto" and cfg.run_dir is None:
             raise ConfigError("resume=auto needs run_dir= (the run directory to continue)")
         if cfg.resume not in (None, "auto") and not Path(cfg.resume).exists():
